@@ -1,0 +1,176 @@
+"""Type stubs for the native extension (rust/tokencache-py). Checked by `mypy.stubtest`."""
+
+from typing import final
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__version__: str
+
+class TokenCacheError(Exception):
+    """Base class of every error tokencache raises."""
+
+class InvalidTokenError(TokenCacheError, ValueError):
+    """A token id is negative or does not fit in 32 bits."""
+
+class ShapeError(TokenCacheError, ValueError):
+    """An array has the wrong dtype, rank, or length (e.g. len(tokens) != len(slots))."""
+
+class PageAlignmentError(TokenCacheError, ValueError):
+    """Slots of one page are not one aligned run, or an operation would cut a shared page."""
+
+class StaleHandleError(TokenCacheError, KeyError):
+    """A node handle or cursor refers to a node that was evicted, truncated away or reset."""
+
+class ForeignHandleError(TokenCacheError, ValueError):
+    """A node handle or cursor belongs to another tree."""
+
+class LockStateError(TokenCacheError, RuntimeError):
+    """Unlocking a node that holds no lock, or using a released cursor."""
+
+class InvalidArgumentError(TokenCacheError, ValueError):
+    """Any other invalid argument (negative counts, unknown policy, bad offsets)."""
+
+@final
+class Node:
+    """A generational handle to a tree node. It never keeps the node alive."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def is_root(self) -> bool: ...
+    def is_alive(self) -> bool: ...
+    def lock_ref(self) -> int:
+        """Locks and pins held on this node itself (not its subtree)."""
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class MatchResult:
+    @property
+    def length(self) -> int: ...
+    @property
+    def slots(self) -> NDArray[np.int64]: ...
+    @property
+    def node(self) -> Node: ...
+
+@final
+class InsertResult:
+    @property
+    def prefix_len(self) -> int:
+        """Tokens that were already cached: the caller frees its own slots for them."""
+    @property
+    def node(self) -> Node: ...
+
+@final
+class Dedup:
+    """New slots a cursor did not keep because the tree already held those tokens.
+
+    For every entry: `freed[i]` is the caller's slot to free, `slots[i]` is the tree's slot
+    for sequence position `positions[i]` of request `request[i]` (0 for a single extend).
+    """
+
+    @property
+    def request(self) -> NDArray[np.int64]: ...
+    @property
+    def positions(self) -> NDArray[np.int64]: ...
+    @property
+    def freed(self) -> NDArray[np.int64]: ...
+    @property
+    def slots(self) -> NDArray[np.int64]: ...
+    def __len__(self) -> int: ...
+
+@final
+class KVEvent:
+    @property
+    def kind(self) -> str:
+        """"stored" or "removed"."""
+    @property
+    def page_hashes(self) -> list[int]: ...
+    @property
+    def parent_hash(self) -> int | None: ...
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens of the stored pages (empty for "removed")."""
+    @property
+    def namespace(self) -> str | None: ...
+
+@final
+class Cursor:
+    """Where one request's sequence ends in the tree. Pins its path while alive."""
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence, cached pages plus the uncached tail."""
+    @property
+    def cached_length(self) -> int:
+        """Tokens held by the tree (page aligned)."""
+    @property
+    def node(self) -> Node: ...
+    @property
+    def namespace(self) -> str | None: ...
+    @property
+    def released(self) -> bool: ...
+    def extend(self, tokens: ArrayLike, slots: ArrayLike) -> Dedup | None:
+        """Append tokens with their KV slots in O(len(tokens)); returns the duplicates, if any."""
+    def truncate(self, num_tokens: int) -> NDArray[np.int64]:
+        """Drop the last num_tokens; returns the slots only this cursor held (caller frees)."""
+    def release(self) -> NDArray[np.int64]:
+        """Unpin; returns the uncached tail's slots (caller frees). The cursor is then dead."""
+    def slots(self) -> NDArray[np.int64]:
+        """KV slots of the whole sequence, root to tail."""
+    def tokens(self) -> NDArray[np.int64]:
+        """Token ids of the whole sequence, root to tail."""
+
+@final
+class RadixTree:
+    def __init__(
+        self,
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+        enable_events: bool = False,
+        strict_pages: bool = False,
+    ) -> None: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def eviction_policy(self) -> str: ...
+    @property
+    def root(self) -> Node: ...
+    def match_prefix(self, tokens: ArrayLike, namespace: str | None = None) -> MatchResult: ...
+    def insert(
+        self, tokens: ArrayLike, slots: ArrayLike, namespace: str | None = None
+    ) -> InsertResult: ...
+    def lock(self, node: Node) -> int:
+        """Protect node and its ancestors; returns how many tokens became protected."""
+    def unlock(self, node: Node) -> int:
+        """Undo one lock; returns how many tokens became evictable."""
+    def evict(self, num_tokens: int) -> NDArray[np.int64]:
+        """Free at least num_tokens (if possible), whole unlocked leaves by policy order."""
+    def evictable_size(self) -> int: ...
+    def protected_size(self) -> int: ...
+    def total_size(self) -> int: ...
+    def node_count(self) -> int: ...
+    def reset(self) -> NDArray[np.int64]:
+        """Drop everything; returns every slot the tree held. Cursors and handles go stale."""
+    def pretty_print(self) -> str: ...
+    def all_slots(self) -> NDArray[np.int64]: ...
+    def path_slots(self, node: Node) -> NDArray[np.int64]: ...
+    def path_length(self, node: Node) -> int: ...
+    def take_events(self) -> list[KVEvent]: ...
+    def check_invariants(self) -> None:
+        """Raise AssertionError describing the first broken invariant."""
+    def cursor(self, namespace: str | None = None) -> Cursor:
+        """An empty cursor at the namespace root."""
+    def cursor_at(self, node: Node) -> Cursor:
+        """A cursor at the end of node's path (after a match); pins it."""
+    def extend_many(
+        self,
+        cursors: list[Cursor],
+        offsets: ArrayLike,
+        tokens: ArrayLike,
+        slots: ArrayLike,
+    ) -> Dedup:
+        """Extend cursors[i] with tokens[offsets[i]:offsets[i+1]] in one native call."""

@@ -1,0 +1,27 @@
+//! tokencache-core: a radix KV-prefix tree over token ids with resumable request cursors and
+//! lock-free pinning. No Python here; `tokencache-py` binds it.
+//!
+//! - [`RadixTree`]: SGLang `RadixCache` semantics (page-granular match with split, insert,
+//!   lock/unlock, eviction of unlocked leaves by policy, exact evictable/protected sizes,
+//!   namespaces, KV events).
+//! - [`Cursor`]: a request's place in the tree; resume is free, extend is O(new tokens).
+//! - Pins are atomic operations on one node (`cell.rs`); the tree is `Send + Sync`.
+
+mod cell;
+mod cursor;
+mod error;
+mod events;
+mod invariants;
+mod node;
+mod policy;
+mod tree;
+
+pub use cursor::{Cursor, Dedup};
+pub use error::{Error, Result};
+pub use events::{chain_hashes, page_hash, KvEvent, KvEventKind};
+pub use node::NodeId;
+pub use policy::EvictionPolicy;
+pub use tree::{InsertOutput, MatchOutput, NodeHandle, RadixTree, Sizes, TreeConfig};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,201 @@
+//! Example-based unit tests; the randomized model test lives in tests/model.rs.
+
+use crate::*;
+
+fn tree(page_size: usize) -> RadixTree {
+    RadixTree::new(TreeConfig { page_size, ..TreeConfig::default() }).unwrap()
+}
+
+fn ok(t: &RadixTree) {
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn insert_match_split() {
+    let t = tree(1);
+    assert_eq!(t.insert(&[1, 2, 3, 4], &[10, 11, 12, 13], None).unwrap().prefix_len, 0);
+    ok(&t);
+    let m = t.match_prefix(&[1, 2, 9], None);
+    assert_eq!((m.length, m.slots.clone()), (2, vec![10, 11]));
+    assert_eq!(t.node_count(), 2, "the match split the node");
+    ok(&t);
+    let r = t.insert(&[1, 2, 3, 5], &[20, 21, 22, 23], None).unwrap();
+    assert_eq!(r.prefix_len, 3);
+    assert_eq!(t.sizes().total, 5);
+    ok(&t);
+}
+
+#[test]
+fn pages_ignore_partial_tail_and_split_on_page_boundaries() {
+    let t = tree(2);
+    t.insert(&[1, 2, 3, 4, 5], &[0, 1, 2, 3, 4], None).unwrap();
+    assert_eq!(t.sizes().total, 4);
+    let m = t.match_prefix(&[1, 2, 3, 9], None);
+    assert_eq!(m.length, 2);
+    ok(&t);
+}
+
+#[test]
+fn namespaces_never_share() {
+    let t = tree(1);
+    t.insert(&[1, 2], &[0, 1], Some("a")).unwrap();
+    assert_eq!(t.match_prefix(&[1, 2], None).length, 0);
+    assert_eq!(t.match_prefix(&[1, 2], Some("b")).length, 0);
+    assert_eq!(t.match_prefix(&[1, 2], Some("a")).length, 2);
+    ok(&t);
+}
+
+#[test]
+fn lock_protects_path_and_evict_skips_it() {
+    let t = tree(1);
+    let a = t.insert(&[1, 2, 3], &[0, 1, 2], None).unwrap().node;
+    t.insert(&[1, 2, 4], &[0, 1, 3], None).unwrap();
+    assert_eq!(t.lock(&a).unwrap(), 3);
+    ok(&t);
+    assert_eq!(t.sizes(), Sizes { evictable: 1, protected: 3, total: 4 });
+    assert_eq!(t.evict(10), vec![3]);
+    assert_eq!(t.unlock(&a).unwrap(), 3);
+    assert!(matches!(t.unlock(&a), Err(Error::LockState(_))));
+    let mut freed = t.evict(10);
+    freed.sort();
+    assert_eq!(freed, vec![0, 1, 2]);
+    assert!(matches!(t.lock(&a), Err(Error::StaleHandle(_))));
+    ok(&t);
+}
+
+#[test]
+fn lru_order() {
+    let t = tree(1);
+    t.insert(&[1], &[1], None).unwrap();
+    t.insert(&[2], &[2], None).unwrap();
+    t.insert(&[3], &[3], None).unwrap();
+    t.match_prefix(&[1], None);
+    assert_eq!(t.evict(1), vec![2]);
+    assert_eq!(t.evict(1), vec![3]);
+    assert_eq!(t.evict(1), vec![1]);
+}
+
+#[test]
+fn cursor_extend_follows_shared_path_and_reports_duplicates() {
+    let t = tree(1);
+    let mut a = t.cursor(None);
+    assert!(a.extend(&[1, 2, 3], &[0, 1, 2]).unwrap().is_empty());
+    let mut b = t.cursor(None);
+    let d = b.extend(&[1, 2, 7], &[5, 6, 7]).unwrap();
+    assert_eq!((d.positions, d.freed, d.slots), (vec![0, 1], vec![5, 6], vec![0, 1]));
+    assert_eq!(b.slots().unwrap(), vec![0, 1, 7]);
+    ok(&t);
+    assert_eq!(t.sizes(), Sizes { evictable: 0, protected: 4, total: 4 });
+    a.release().unwrap();
+    ok(&t);
+    assert_eq!(t.sizes(), Sizes { evictable: 1, protected: 3, total: 4 });
+    assert!(matches!(a.release(), Err(Error::LockState(_))));
+    b.release().unwrap();
+    assert_eq!(t.sizes().evictable, 4);
+    ok(&t);
+}
+
+#[test]
+fn cursor_survives_split_by_other_request() {
+    let t = tree(1);
+    let mut a = t.cursor(None);
+    a.extend(&[1, 2, 3, 4], &[0, 1, 2, 3]).unwrap();
+    let node = a.node();
+    t.match_prefix(&[1, 2], None);
+    assert_eq!(a.node(), node);
+    a.extend(&[5], &[4]).unwrap();
+    assert_eq!(a.tokens().unwrap(), vec![1, 2, 3, 4, 5]);
+    ok(&t);
+}
+
+#[test]
+fn cursor_pending_tail_with_pages() {
+    let t = tree(4);
+    let mut a = t.cursor(None);
+    a.extend(&[1, 2, 3], &[0, 1, 2]).unwrap();
+    assert_eq!((a.length(), a.cached_length()), (3, 0));
+    a.extend(&[4, 5], &[3, 4]).unwrap();
+    assert_eq!((a.length(), a.cached_length()), (5, 4));
+    assert_eq!(t.sizes().protected, 4);
+    assert_eq!(a.release().unwrap(), vec![4]);
+    ok(&t);
+}
+
+#[test]
+fn truncate_returns_exclusive_slots_only() {
+    let t = tree(1);
+    let mut a = t.cursor(None);
+    a.extend(&[1, 2, 3, 4], &[0, 1, 2, 3]).unwrap();
+    let mut b = t.cursor(None);
+    b.extend(&[1, 2], &[0, 1]).unwrap();
+    assert_eq!(a.truncate(3).unwrap(), vec![2, 3], "tokens 1..2 are shared with b");
+    assert_eq!(a.length(), 1);
+    ok(&t);
+    assert_eq!(t.sizes().total, 2);
+    b.release().unwrap();
+    a.release().unwrap();
+    ok(&t);
+}
+
+#[test]
+fn truncate_into_partial_page() {
+    let t = tree(2);
+    let mut a = t.cursor(None);
+    a.extend(&[1, 2, 3, 4, 5, 6], &[0, 1, 2, 3, 4, 5]).unwrap();
+    assert_eq!(a.truncate(3).unwrap(), vec![3, 4, 5]);
+    assert_eq!((a.length(), a.cached_length()), (3, 2));
+    assert_eq!(a.slots().unwrap(), vec![0, 1, 2]);
+    ok(&t);
+    let mut b = t.cursor(None);
+    b.extend(&[1, 2], &[0, 1]).unwrap();
+    // now [1,2] is shared; cutting into it is refused and changes nothing
+    let before = t.pretty_print();
+    assert!(matches!(a.truncate(2), Err(Error::PageAlignment(_))));
+    assert_eq!(before, t.pretty_print());
+    ok(&t);
+}
+
+#[test]
+fn reset_makes_everything_stale() {
+    let t = tree(1);
+    let mut a = t.cursor(None);
+    a.extend(&[1, 2], &[0, 1]).unwrap();
+    let mut all = t.reset();
+    all.sort();
+    assert_eq!(all, vec![0, 1]);
+    assert!(matches!(a.extend(&[3], &[2]), Err(Error::StaleHandle(_))));
+    assert!(a.release().unwrap().is_empty());
+    ok(&t);
+}
+
+#[test]
+fn events_chain_hashes() {
+    let t = RadixTree::new(TreeConfig { page_size: 2, enable_events: true, ..Default::default() })
+        .unwrap();
+    t.insert(&[1, 2, 3, 4], &[0, 1, 2, 3], None).unwrap();
+    t.insert(&[1, 2, 5, 6], &[0, 1, 4, 5], None).unwrap();
+    let ev = t.take_events();
+    assert_eq!(ev.len(), 2);
+    assert_eq!(ev[0].page_hashes, chain_hashes(None, None, &[1, 2, 3, 4], 2));
+    assert_eq!(ev[1].parent_hash, Some(ev[0].page_hashes[0]));
+    t.evict(100);
+    let ev = t.take_events();
+    assert!(ev.iter().all(|e| e.kind == KvEventKind::Removed));
+    assert_eq!(ev.iter().map(|e| e.page_hashes.len()).sum::<usize>(), 3);
+    ok(&t);
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let t = tree(1);
+    assert!(matches!(t.insert(&[1, 2], &[0], None), Err(Error::Shape(_))));
+    assert!(matches!(t.insert(&[1], &[-1], None), Err(Error::InvalidArgument(_))));
+    let other = tree(1);
+    let h = other.root();
+    assert!(matches!(t.lock(&h), Err(Error::ForeignHandle(_))));
+    let strict = RadixTree::new(TreeConfig { page_size: 2, strict_pages: true, ..Default::default() })
+        .unwrap();
+    assert!(matches!(strict.insert(&[1, 2], &[1, 2], None), Err(Error::PageAlignment(_))));
+    assert_eq!(t.sizes().total, 0);
+    ok(&t);
+}

@@ -1,0 +1,433 @@
+//! Python bindings for tokencache-core: conversion and error mapping only, no logic. Bulk calls
+//! release the GIL so worker threads can share one tree.
+
+mod convert;
+mod errors;
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use tokencache_core as core;
+
+use convert::{array, token_array};
+use errors::IntoPyResult;
+
+/// A generational handle to a tree node. It never keeps the node alive.
+#[pyclass(module = "tokencache", name = "Node", frozen, eq, hash)]
+#[derive(Clone)]
+struct PyNode {
+    inner: core::NodeHandle,
+}
+
+impl PartialEq for PyNode {
+    fn eq(&self, other: &Self) -> bool {
+        self.inner == other.inner
+    }
+}
+
+impl std::hash::Hash for PyNode {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.inner.id().hash(state);
+    }
+}
+
+#[pymethods]
+impl PyNode {
+    #[getter]
+    fn id(&self) -> u32 {
+        self.inner.id().index
+    }
+    #[getter]
+    fn generation(&self) -> u32 {
+        self.inner.id().generation
+    }
+    #[getter]
+    fn is_root(&self) -> bool {
+        self.inner.is_root()
+    }
+    fn is_alive(&self) -> bool {
+        self.inner.is_alive()
+    }
+    fn lock_ref(&self) -> u32 {
+        self.inner.lock_ref()
+    }
+    fn __repr__(&self) -> String {
+        let id = self.inner.id();
+        format!("Node(id={}, generation={}, alive={})", id.index, id.generation, self.is_alive())
+    }
+}
+
+#[pyclass(module = "tokencache", name = "MatchResult", frozen)]
+struct PyMatchResult {
+    #[pyo3(get)]
+    length: usize,
+    #[pyo3(get)]
+    slots: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    node: Py<PyNode>,
+}
+
+#[pymethods]
+impl PyMatchResult {
+    fn __repr__(&self) -> String {
+        format!("MatchResult(length={})", self.length)
+    }
+}
+
+#[pyclass(module = "tokencache", name = "InsertResult", frozen)]
+struct PyInsertResult {
+    #[pyo3(get)]
+    prefix_len: usize,
+    #[pyo3(get)]
+    node: Py<PyNode>,
+}
+
+#[pymethods]
+impl PyInsertResult {
+    fn __repr__(&self) -> String {
+        format!("InsertResult(prefix_len={})", self.prefix_len)
+    }
+}
+
+#[pyclass(module = "tokencache", name = "Dedup", frozen)]
+struct PyDedup {
+    #[pyo3(get)]
+    request: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    positions: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    freed: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    slots: Py<PyArray1<i64>>,
+    len: usize,
+}
+
+#[pymethods]
+impl PyDedup {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+    fn __repr__(&self) -> String {
+        format!("Dedup(len={})", self.len)
+    }
+}
+
+fn dedup(py: Python<'_>, d: core::Dedup) -> PyDedup {
+    PyDedup {
+        len: d.len(),
+        request: array(py, d.request).unbind(),
+        positions: array(py, d.positions).unbind(),
+        freed: array(py, d.freed).unbind(),
+        slots: array(py, d.slots).unbind(),
+    }
+}
+
+#[pyclass(module = "tokencache", name = "KVEvent", frozen, get_all)]
+struct PyKvEvent {
+    kind: &'static str,
+    page_hashes: Vec<u64>,
+    parent_hash: Option<u64>,
+    token_ids: Vec<u32>,
+    namespace: Option<String>,
+}
+
+#[pymethods]
+impl PyKvEvent {
+    fn __repr__(&self) -> String {
+        format!("KVEvent(kind={:?}, pages={})", self.kind, self.page_hashes.len())
+    }
+}
+
+/// Where one request's sequence ends in the tree. Pins its path while alive.
+#[pyclass(module = "tokencache", name = "Cursor")]
+struct PyCursor {
+    inner: core::Cursor,
+}
+
+#[pymethods]
+impl PyCursor {
+    #[getter]
+    fn length(&self) -> usize {
+        self.inner.length()
+    }
+    #[getter]
+    fn cached_length(&self) -> usize {
+        self.inner.cached_length()
+    }
+    #[getter]
+    fn node(&self) -> PyNode {
+        PyNode { inner: self.inner.node() }
+    }
+    #[getter]
+    fn namespace(&self) -> Option<String> {
+        self.inner.namespace().map(str::to_owned)
+    }
+    #[getter]
+    fn released(&self) -> bool {
+        self.inner.is_released()
+    }
+
+    fn extend(
+        &mut self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<PyDedup>> {
+        let (t, s) = (convert::tokens(tokens)?, convert::slots(slots)?);
+        let d = self.inner.extend(&t, &s).py_err()?;
+        Ok((!d.is_empty()).then(|| dedup(py, d)))
+    }
+
+    fn truncate<'py>(
+        &mut self,
+        py: Python<'py>,
+        num_tokens: i64,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let n = usize::try_from(num_tokens).map_err(|_| {
+            errors::to_py(core::Error::InvalidArgument(format!(
+                "num_tokens must be non-negative, got {num_tokens}"
+            )))
+        })?;
+        Ok(array(py, self.inner.truncate(n).py_err()?))
+    }
+
+    fn release<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        Ok(array(py, self.inner.release().py_err()?))
+    }
+
+    fn slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        Ok(array(py, self.inner.slots().py_err()?))
+    }
+
+    fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        Ok(token_array(py, self.inner.tokens().py_err()?))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Cursor(length={}, cached_length={}, released={})",
+            self.inner.length(),
+            self.inner.cached_length(),
+            self.inner.is_released()
+        )
+    }
+}
+
+fn count(n: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(n).map_err(|_| {
+        errors::to_py(core::Error::InvalidArgument(format!("{what} must be non-negative, got {n}")))
+    })
+}
+
+/// A radix KV-prefix tree (SGLang RadixCache semantics) with resumable cursors.
+#[pyclass(module = "tokencache", name = "RadixTree", frozen)]
+struct PyRadixTree {
+    inner: core::RadixTree,
+}
+
+#[pymethods]
+impl PyRadixTree {
+    #[new]
+    #[pyo3(signature = (page_size=1, eviction_policy="lru", enable_events=false, strict_pages=false))]
+    fn new(
+        page_size: i64,
+        eviction_policy: &str,
+        enable_events: bool,
+        strict_pages: bool,
+    ) -> PyResult<Self> {
+        let policy = eviction_policy.parse::<core::EvictionPolicy>().py_err()?;
+        if page_size < 1 {
+            return Err(errors::to_py(core::Error::InvalidArgument(format!(
+                "page_size must be at least 1, got {page_size}"
+            ))));
+        }
+        let config = core::TreeConfig {
+            page_size: page_size as usize,
+            policy,
+            enable_events,
+            strict_pages,
+        };
+        Ok(Self { inner: core::RadixTree::new(config).py_err()? })
+    }
+
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.inner.config().page_size
+    }
+    #[getter]
+    fn eviction_policy(&self) -> &'static str {
+        self.inner.config().policy.name()
+    }
+    #[getter]
+    fn root(&self) -> PyNode {
+        PyNode { inner: self.inner.root() }
+    }
+
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn match_prefix(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<String>,
+    ) -> PyResult<PyMatchResult> {
+        let t = convert::tokens(tokens)?;
+        let tree = &self.inner;
+        let m = py.allow_threads(|| tree.match_prefix(&t, namespace.as_deref()));
+        Ok(PyMatchResult {
+            length: m.length,
+            slots: array(py, m.slots).unbind(),
+            node: Py::new(py, PyNode { inner: m.node })?,
+        })
+    }
+
+    #[pyo3(signature = (tokens, slots, namespace=None))]
+    fn insert(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        namespace: Option<String>,
+    ) -> PyResult<PyInsertResult> {
+        let (t, s) = (convert::tokens(tokens)?, convert::slots(slots)?);
+        let tree = &self.inner;
+        let r = py.allow_threads(|| tree.insert(&t, &s, namespace.as_deref())).py_err()?;
+        Ok(PyInsertResult {
+            prefix_len: r.prefix_len,
+            node: Py::new(py, PyNode { inner: r.node })?,
+        })
+    }
+
+    fn lock(&self, node: &PyNode) -> PyResult<usize> {
+        self.inner.lock(&node.inner).py_err()
+    }
+
+    fn unlock(&self, node: &PyNode) -> PyResult<usize> {
+        self.inner.unlock(&node.inner).py_err()
+    }
+
+    /// Lock-free pin (accounting is applied by the next operation that takes the tree lock).
+    fn pin(&self, node: &PyNode) -> PyResult<()> {
+        self.inner.pin(&node.inner).py_err()
+    }
+
+    fn unpin(&self, node: &PyNode) -> PyResult<()> {
+        self.inner.unpin(&node.inner).py_err()
+    }
+
+    fn evict<'py>(&self, py: Python<'py>, num_tokens: i64) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let n = count(num_tokens, "num_tokens")?;
+        let tree = &self.inner;
+        Ok(array(py, py.allow_threads(|| tree.evict(n))))
+    }
+
+    fn evictable_size(&self) -> usize {
+        self.inner.sizes().evictable
+    }
+    fn protected_size(&self) -> usize {
+        self.inner.sizes().protected
+    }
+    fn total_size(&self) -> usize {
+        self.inner.sizes().total
+    }
+    fn node_count(&self) -> usize {
+        self.inner.node_count()
+    }
+
+    fn reset<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let tree = &self.inner;
+        array(py, py.allow_threads(|| tree.reset()))
+    }
+
+    fn pretty_print(&self) -> String {
+        self.inner.pretty_print()
+    }
+
+    fn all_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let tree = &self.inner;
+        array(py, py.allow_threads(|| tree.all_slots()))
+    }
+
+    fn path_slots<'py>(
+        &self,
+        py: Python<'py>,
+        node: &PyNode,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        Ok(array(py, self.inner.path_slots(&node.inner).py_err()?))
+    }
+
+    fn path_length(&self, node: &PyNode) -> PyResult<usize> {
+        self.inner.path_length(&node.inner).py_err()
+    }
+
+    fn take_events(&self) -> Vec<PyKvEvent> {
+        self.inner
+            .take_events()
+            .into_iter()
+            .map(|e| PyKvEvent {
+                kind: match e.kind {
+                    core::KvEventKind::Stored => "stored",
+                    core::KvEventKind::Removed => "removed",
+                    core::KvEventKind::Cleared => "cleared",
+                },
+                page_hashes: e.page_hashes,
+                parent_hash: e.parent_hash,
+                token_ids: e.token_ids,
+                namespace: e.namespace,
+            })
+            .collect()
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().map_err(pyo3::exceptions::PyAssertionError::new_err)
+    }
+
+    #[pyo3(signature = (namespace=None))]
+    fn cursor(&self, namespace: Option<String>) -> PyCursor {
+        PyCursor { inner: self.inner.cursor(namespace.as_deref()) }
+    }
+
+    fn cursor_at(&self, node: &PyNode) -> PyResult<PyCursor> {
+        Ok(PyCursor { inner: self.inner.cursor_at(&node.inner).py_err()? })
+    }
+
+    fn extend_many(
+        &self,
+        py: Python<'_>,
+        cursors: Vec<Bound<'_, PyCursor>>,
+        offsets: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+    ) -> PyResult<PyDedup> {
+        let (o, t, s) = (convert::offsets(offsets)?, convert::tokens(tokens)?, convert::slots(slots)?);
+        let mut refs = cursors.iter().map(|c| c.try_borrow_mut()).collect::<Result<Vec<_>, _>>()?;
+        let mut inner: Vec<&mut core::Cursor> = refs.iter_mut().map(|r| &mut r.inner).collect();
+        let tree = &self.inner;
+        let d = py.allow_threads(|| tree.extend_many(&mut inner, &o, &t, &s)).py_err()?;
+        Ok(dedup(py, d))
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.inner.sizes();
+        format!(
+            "RadixTree(page_size={}, policy={}, total={}, evictable={}, protected={})",
+            self.inner.config().page_size,
+            self.inner.config().policy.name(),
+            s.total,
+            s.evictable,
+            s.protected
+        )
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<PyRadixTree>()?;
+    m.add_class::<PyCursor>()?;
+    m.add_class::<PyNode>()?;
+    m.add_class::<PyMatchResult>()?;
+    m.add_class::<PyInsertResult>()?;
+    m.add_class::<PyDedup>()?;
+    m.add_class::<PyKvEvent>()?;
+    Ok(())
+}
