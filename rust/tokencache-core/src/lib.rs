@@ -21,7 +21,7 @@ pub use error::{Error, Result};
 pub use events::{chain_hashes, page_hash, KvEvent, KvEventKind};
 pub use node::NodeId;
 pub use policy::EvictionPolicy;
-pub use tree::{InsertOutput, MatchOutput, NodeHandle, RadixTree, Sizes, TreeConfig};
+pub use tree::{Fault, InsertOutput, MatchOutput, NodeHandle, RadixTree, Sizes, TreeConfig};
 
 #[cfg(test)]
 mod tests;

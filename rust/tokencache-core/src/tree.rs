@@ -148,6 +148,17 @@ pub(crate) struct Inner {
     pub tick: u64,
     pub events: Vec<KvEvent>,
     pub config: TreeConfig,
+    pub fault: Option<Fault>,
+}
+
+/// Deliberate bugs, planted only by the test harness's self-test to prove it catches them.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Forget to tell the parent when a node stops being protected.
+    SkipParentOnUnprotect,
+    /// Report one token too few from every match.
+    ShortMatch,
 }
 
 impl Inner {
@@ -161,6 +172,7 @@ impl Inner {
             tick: 0,
             events: Vec::new(),
             config,
+            fault: None,
         };
         inner.root(None);
         inner
@@ -253,6 +265,9 @@ impl Inner {
                 self.sizes.evictable += len;
             }
             self.sync_leaf(id);
+            if !protected && self.fault == Some(Fault::SkipParentOnUnprotect) {
+                return;
+            }
             self.arena[parent].cell.add_protected_child(protected);
             id = parent;
         }
@@ -527,8 +542,12 @@ impl RadixTree {
         let mut inner = self.shared.lock();
         let root = inner.root(namespace);
         let mut slots = Vec::new();
-        let (node, length) =
+        let (node, mut length) =
             inner.descend(root, tokens, &mut |run, _| slots.extend_from_slice(run));
+        if inner.fault == Some(Fault::ShortMatch) && length > 0 {
+            length -= 1;
+            slots.pop();
+        }
         MatchOutput { length, slots, node: self.shared.handle(&inner, node) }
     }
 
@@ -625,10 +644,11 @@ impl RadixTree {
             node.cell.kill();
             slots.extend(node.slots);
         }
-        let config = inner.config;
+        let (config, fault) = (inner.config, inner.fault);
         let had_events = !inner.events.is_empty() || config.enable_events;
         let events = std::mem::take(&mut inner.events);
         *inner = Inner::new(config);
+        inner.fault = fault;
         if had_events && config.enable_events {
             inner.events = events;
             inner.events.push(KvEvent {
@@ -699,6 +719,11 @@ impl RadixTree {
             inner.sizes.total, inner.sizes.evictable, inner.sizes.protected
         ));
         out
+    }
+
+    #[doc(hidden)]
+    pub fn plant_fault(&self, fault: Fault) {
+        self.shared.lock().fault = Some(fault);
     }
 
     /// Raise on the first broken invariant.

@@ -1,0 +1,51 @@
+"""Paged-KV model runner for Qwen3 and Llama (SmolLM2) in torch.
+
+One forward call runs a ragged batch of prefill/extend/decode requests whose K/V live in a
+per-model slot pool; prefix slots may be shared between requests (read, never recomputed).
+"""
+
+from .attention import TorchPagedAttention, TritonPagedAttention, make_attention_backend
+from .batch import ForwardBatch
+from .config import PRESETS, QWEN3_0_6B, QWEN3_8B, QWEN3_32B, ModelConfig
+from .kv_pool import KVPool, SlotAllocator
+from .loader import (
+    GGUFModel,
+    empty_model,
+    find_smollm2_gguf,
+    from_transformers,
+    load_gguf,
+    load_hf_checkpoint,
+    load_smollm2_gguf,
+    model_from_state_dict,
+    random_model,
+    truncate_model,
+)
+from .model import CausalLM, ForwardOutput
+from .runner import GreedyRunner
+
+__all__ = [
+    "PRESETS",
+    "QWEN3_0_6B",
+    "QWEN3_8B",
+    "QWEN3_32B",
+    "CausalLM",
+    "ForwardBatch",
+    "ForwardOutput",
+    "GGUFModel",
+    "GreedyRunner",
+    "KVPool",
+    "ModelConfig",
+    "SlotAllocator",
+    "TorchPagedAttention",
+    "TritonPagedAttention",
+    "empty_model",
+    "find_smollm2_gguf",
+    "from_transformers",
+    "load_gguf",
+    "load_hf_checkpoint",
+    "load_smollm2_gguf",
+    "make_attention_backend",
+    "model_from_state_dict",
+    "random_model",
+    "truncate_model",
+]

@@ -1,0 +1,124 @@
+"""Model configuration for the paged-KV runner (Qwen3 and Llama decoder-only models)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and numerics of a decoder-only transformer; mirrors the Hugging Face config fields."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF rope scaling dict ("rope_type": "default" | "linear" | "llama3", ...); None means default.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    eos_token_id: int | list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises q and k per head before RoPE; Llama does not."""
+        return self.model_type == "qwen3"
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """Elements of K plus V for one token across all layers (times itemsize = bytes)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    def truncated(self, num_layers: int) -> ModelConfig:
+        if not 1 <= num_layers <= self.num_hidden_layers:
+            raise ValueError(
+                f"num_layers must be in [1, {self.num_hidden_layers}], got {num_layers}"
+            )
+        return replace(self, num_hidden_layers=num_layers)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        model_type = d.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; expected {SUPPORTED_MODEL_TYPES}"
+            )
+        heads = int(d["num_attention_heads"])
+        head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
+        # transformers >= 5 writes "rope_parameters" (theta included); older files use
+        # "rope_theta" + "rope_scaling".
+        rope = d.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+        rope_type = (
+            scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        )
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        if d.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported")
+        return cls(
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=dict(scaling) if rope_type != "default" else None,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            eos_token_id=d.get("eos_token_id"),
+            extra=d,
+        )
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> ModelConfig:
+        with open(Path(path) / "config.json", encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f))
+
+
+def _qwen3(layers: int, hidden: int, inter: int, heads: int, tie: bool) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=tie,
+        max_position_embeddings=40960,
+        eos_token_id=151645,
+    )
+
+
+# Shapes of the public Qwen3 checkpoints (from their config.json), for random-weight benchmarks.
+QWEN3_0_6B = _qwen3(layers=28, hidden=1024, inter=3072, heads=16, tie=True)
+QWEN3_8B = _qwen3(layers=36, hidden=4096, inter=12288, heads=32, tie=False)
+QWEN3_32B = _qwen3(layers=64, hidden=5120, inter=25600, heads=64, tie=False)
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-0.6b": QWEN3_0_6B,
+    "qwen3-8b": QWEN3_8B,
+    "qwen3-32b": QWEN3_32B,
+}

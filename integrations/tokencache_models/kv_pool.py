@@ -1,0 +1,140 @@
+"""Per-model paged KV storage: one slot holds one token's K and V for every layer."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class SlotAllocator:
+    """Exact free-slot accounting over [0, num_slots); slot ids are CPU int64 tensors.
+
+    A stack of free ids plus an in-use bitmap: alloc/free are vectorised (no per-slot Python
+    work), and the bitmap catches double frees and frees of never-allocated slots.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError("num_slots must be positive")
+        self.num_slots = num_slots
+        # Reversed so that the first allocations get the lowest ids (easier to read in tests).
+        self._free = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        self._top = num_slots
+        self._in_use = torch.zeros(num_slots, dtype=torch.bool)
+
+    @property
+    def available(self) -> int:
+        return self._top
+
+    @property
+    def used(self) -> int:
+        return self.num_slots - self._top
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n < 0:
+            raise ValueError("n must be non-negative")
+        if n > self._top:
+            raise MemoryError(f"KV pool exhausted: requested {n} slots, {self._top} available")
+        slots = self._free[self._top - n : self._top].flip(0).clone()
+        self._top -= n
+        self._in_use[slots] = True
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
+        if slots.numel() == 0:
+            return
+        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
+            raise ValueError("slot id out of range")
+        if torch.unique(slots).numel() != slots.numel():
+            raise ValueError("duplicate slot ids in one free() call")
+        if not bool(self._in_use[slots].all()):
+            raise ValueError("double free: some slots are not allocated")
+        self._in_use[slots] = False
+        n = slots.numel()
+        self._free[self._top : self._top + n] = slots.flip(0)
+        self._top += n
+
+    def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._in_use[torch.as_tensor(slots, dtype=torch.int64).cpu()]
+
+
+class KVPool:
+    """K and V tensors of shape [layers, slots, kv_heads, head_dim] plus their slot allocator."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        # Zeros, not empty: a slot read before being written must not inject NaNs.
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.allocator = SlotAllocator(num_slots)
+
+    @classmethod
+    def for_config(
+        cls,
+        config: ModelConfig,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> KVPool:
+        return cls(
+            config.num_hidden_layers,
+            num_slots,
+            config.num_key_value_heads,
+            config.head_dim,
+            device,
+            dtype,
+        )
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        return config.kv_elems_per_token * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def from_budget(
+        cls,
+        config: ModelConfig,
+        budget_bytes: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> KVPool:
+        """As many slots as fit in budget_bytes (K and V together, all layers)."""
+        num_slots = budget_bytes // cls.bytes_per_slot(config, dtype)
+        if num_slots <= 0:
+            raise ValueError(f"budget of {budget_bytes} bytes holds no KV slot")
+        return cls.for_config(config, int(num_slots), device, dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def alloc(self, n: int) -> torch.Tensor:
+        return self.allocator.alloc(n)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    @property
+    def available(self) -> int:
+        return self.allocator.available

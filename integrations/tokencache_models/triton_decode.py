@@ -1,0 +1,178 @@
+"""Triton paged-attention decode kernel (one new token per request, split over the KV length).
+
+Each program handles one (request, kv_head, split): it loads the GQA group's queries once, walks
+its share of the request's slot list in BLOCK_N chunks (gathering K/V rows by slot id) with an
+online softmax, and writes a partial (acc, max, sum). A short torch reduction merges the splits,
+so a batch of one still spreads a long context over many SMs (flash-decoding).
+
+Importing this module needs triton; it is imported lazily and only on CUDA (or under
+TRITON_INTERPRET=1 for CPU testing).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q,
+    K,
+    V,
+    Slots,
+    KvOff,
+    Acc,
+    M,
+    L,
+    sm_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ab,
+    stride_ah,
+    stride_as,
+    stride_mb,
+    stride_mh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    start = tl.load(KvOff + b)
+    end = tl.load(KvOff + b + 1)
+    per_split = tl.cdiv(tl.cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, end)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        idx = n0 + offs_n
+        n_mask = idx < hi
+        slot = tl.load(Slots + idx, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        # fp32 caches ask for IEEE dots: the default tf32 would break fp32 exactness.
+        if IEEE:  # noqa: SIM108 (plain if on a constexpr is the safest form in triton)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk.to(tl.float32) * sm_scale  # [GROUP_PAD, BLOCK_N]
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if IEEE:  # noqa: SIM108
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv.to(tl.float32)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    tl.store(
+        Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :],
+        acc,
+        mask=out_mask,
+    )
+    tl.store(M + b * stride_mb + heads * stride_mh + split, m_i, mask=g_mask)
+    tl.store(L + b * stride_mb + heads * stride_mh + split, l_i, mask=g_mask)
+
+
+def _num_splits(batch: int, kv_heads: int, max_kv_len: int, block_n: int) -> int:
+    # Enough programs to fill ~2 waves of a large GPU, never a split shorter than one block.
+    target = 264
+    want = max(1, -(-target // (batch * kv_heads)))
+    return int(max(1, min(want, 32, -(-max_kv_len // block_n))))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_slots: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    scale: float,
+    max_kv_len: int,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (last dim contiguous); kv_slots: flat slot
+    lists; kv_offsets: [B + 1] int32 on q's device. Returns [B, H, D] in q's dtype."""
+    bsz, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    splits = _num_splits(bsz, kv_heads, max_kv_len, block_n)
+    acc = torch.empty((bsz, heads, splits, head_dim), device=q.device, dtype=torch.float32)
+    m = torch.empty((bsz, heads, splits), device=q.device, dtype=torch.float32)
+    lse = torch.empty_like(m)
+    grid = (bsz, kv_heads, splits)
+    _paged_decode_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        kv_slots,
+        kv_offsets,
+        acc,
+        m,
+        lse,
+        scale,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        m.stride(0),
+        m.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=block_n,
+        IEEE=k_cache.dtype == torch.float32,
+    )
+    # Merge the splits; empty splits carry m = -inf and weigh zero.
+    m_max = m.amax(dim=-1, keepdim=True)
+    w = torch.exp(m - m_max)
+    out = (acc * w[..., None]).sum(dim=2) / (lse * w).sum(dim=-1)[..., None]
+    return out.to(q.dtype)
