@@ -6,6 +6,24 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 __version__: str
+__all__ = [
+    "Cursor",
+    "Dedup",
+    "ForeignHandleError",
+    "InsertResult",
+    "InvalidArgumentError",
+    "InvalidTokenError",
+    "KVEvent",
+    "LockStateError",
+    "MatchResult",
+    "Node",
+    "PageAlignmentError",
+    "RadixTree",
+    "ShapeError",
+    "StaleHandleError",
+    "TokenCacheError",
+    "__version__",
+]
 
 class TokenCacheError(Exception):
     """Base class of every error tokencache raises."""
@@ -44,7 +62,7 @@ class Node:
     def is_alive(self) -> bool: ...
     def lock_ref(self) -> int:
         """Locks and pins held on this node itself (not its subtree)."""
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
 @final
@@ -86,7 +104,7 @@ class Dedup:
 class KVEvent:
     @property
     def kind(self) -> str:
-        """"stored" or "removed"."""
+        """Either "stored", "removed" or "cleared"."""
     @property
     def page_hashes(self) -> list[int]: ...
     @property
@@ -126,13 +144,13 @@ class Cursor:
 
 @final
 class RadixTree:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         page_size: int = 1,
         eviction_policy: str = "lru",
         enable_events: bool = False,
         strict_pages: bool = False,
-    ) -> None: ...
+    ) -> RadixTree: ...
     @property
     def page_size(self) -> int: ...
     @property
@@ -147,6 +165,10 @@ class RadixTree:
         """Protect node and its ancestors; returns how many tokens became protected."""
     def unlock(self, node: Node) -> int:
         """Undo one lock; returns how many tokens became evictable."""
+    def pin(self, node: Node) -> None:
+        """Lock-free lock: one atomic operation; sizes update at the next tree operation."""
+    def unpin(self, node: Node) -> None:
+        """Lock-free unlock."""
     def evict(self, num_tokens: int) -> NDArray[np.int64]:
         """Free at least num_tokens (if possible), whole unlocked leaves by policy order."""
     def evictable_size(self) -> int: ...
