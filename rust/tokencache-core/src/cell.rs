@@ -32,7 +32,9 @@ pub(crate) enum Crossing {
 
 impl NodeCell {
     pub(crate) fn with_state(state: u64) -> Self {
-        Self { state: AtomicU64::new(state) }
+        Self {
+            state: AtomicU64::new(state),
+        }
     }
 
     pub(crate) fn load(&self) -> u64 {
@@ -60,15 +62,19 @@ impl NodeCell {
         let mut cur = self.load();
         loop {
             if cur & DEAD != 0 {
-                return Err(Error::StaleHandle("node was evicted, removed or reset".into()));
+                return Err(Error::StaleHandle(
+                    "node was evicted, removed or reset".into(),
+                ));
             }
             if cur & PINS_MASK == PINS_MASK {
                 return Err(Error::LockState("too many pins on one node".into()));
             }
-            match self
-                .state
-                .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
-            {
+            match self.state.compare_exchange_weak(
+                cur,
+                cur + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) if cur == 0 => return Ok(Crossing::BecameProtected),
                 Ok(_) => return Ok(Crossing::None),
                 Err(actual) => cur = actual,
@@ -80,15 +86,21 @@ impl NodeCell {
         let mut cur = self.load();
         loop {
             if cur & DEAD != 0 {
-                return Err(Error::StaleHandle("node was evicted, removed or reset".into()));
+                return Err(Error::StaleHandle(
+                    "node was evicted, removed or reset".into(),
+                ));
             }
             if cur & PINS_MASK == 0 {
-                return Err(Error::LockState("unlock of a node that holds no lock".into()));
+                return Err(Error::LockState(
+                    "unlock of a node that holds no lock".into(),
+                ));
             }
-            match self
-                .state
-                .compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire)
-            {
+            match self.state.compare_exchange_weak(
+                cur,
+                cur - 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) if cur == 1 => return Ok(Crossing::BecameUnprotected),
                 Ok(_) => return Ok(Crossing::None),
                 Err(actual) => cur = actual,

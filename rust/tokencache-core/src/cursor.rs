@@ -60,7 +60,13 @@ impl RadixTree {
         inner.pin(node.id)?;
         let len = inner.path_length(node.id);
         let ns = inner.namespace_of(node.id).map(str::to_owned);
-        Ok(Cursor::new(&self.shared, node.id, node.cell.clone(), ns, len))
+        Ok(Cursor::new(
+            &self.shared,
+            node.id,
+            node.cell.clone(),
+            ns,
+            len,
+        ))
     }
 
     /// Extend `cursors[i]` with `tokens[offsets[i]..offsets[i + 1]]` under one lock.
@@ -86,14 +92,22 @@ impl RadixTree {
         let mut inner = self.shared.lock();
         for c in cursors.iter() {
             if !Arc::ptr_eq(&c.shared, &self.shared) {
-                return Err(Error::ForeignHandle("cursor belongs to another tree".into()));
+                return Err(Error::ForeignHandle(
+                    "cursor belongs to another tree".into(),
+                ));
             }
             c.check(&inner)?;
         }
         let mut dedup = Dedup::default();
         for (i, c) in cursors.iter_mut().enumerate() {
             let (a, b) = (offsets[i], offsets[i + 1]);
-            c.extend_locked(&mut inner, &tokens[a..b], &slots[a..b], i as i64, &mut dedup)?;
+            c.extend_locked(
+                &mut inner,
+                &tokens[a..b],
+                &slots[a..b],
+                i as i64,
+                &mut dedup,
+            )?;
         }
         Ok(dedup)
     }
@@ -145,7 +159,9 @@ impl Cursor {
     }
 
     pub fn tree(&self) -> RadixTree {
-        RadixTree { shared: self.shared.clone() }
+        RadixTree {
+            shared: self.shared.clone(),
+        }
     }
 
     fn check(&self, inner: &Inner) -> Result<()> {
@@ -154,7 +170,9 @@ impl Cursor {
         }
         match inner.arena.get(self.node) {
             Some(n) if Arc::ptr_eq(&n.cell, &self.cell) && !self.cell.is_dead() => Ok(()),
-            _ => Err(Error::StaleHandle("cursor's node is gone (tree was reset)".into())),
+            _ => Err(Error::StaleHandle(
+                "cursor's node is gone (tree was reset)".into(),
+            )),
         }
     }
 
@@ -181,8 +199,7 @@ impl Cursor {
     ) -> Result<()> {
         let page = inner.page();
         // Whole pages go into the tree; a partial tail stays with the cursor until it fills.
-        let (all_tokens, all_slots): (Cow<[u32]>, Cow<[i64]>) = if self.pending_tokens.is_empty()
-        {
+        let (all_tokens, all_slots): (Cow<[u32]>, Cow<[i64]>) = if self.pending_tokens.is_empty() {
             (Cow::Borrowed(tokens), Cow::Borrowed(slots))
         } else {
             let mut t = std::mem::take(&mut self.pending_tokens);
@@ -204,7 +221,11 @@ impl Cursor {
             }
         });
         if pos < end {
-            node = inner.add_node(node, all_tokens[pos..end].to_vec(), all_slots[pos..end].to_vec());
+            node = inner.add_node(
+                node,
+                all_tokens[pos..end].to_vec(),
+                all_slots[pos..end].to_vec(),
+            );
         }
         if node != self.node {
             // Pin the new end before letting go of the old one: ancestors stay protected
@@ -249,7 +270,8 @@ impl Cursor {
             }
             // Make a node boundary at `aligned`; a split never changes what is cached.
             let top = *chain.last().expect("target is inside the cached part");
-            let top_start = self.cached_len - chain.iter().map(|&n| inner.arena[n].len()).sum::<usize>();
+            let top_start =
+                self.cached_len - chain.iter().map(|&n| inner.arena[n].len()).sum::<usize>();
             let anchor = if top_start < aligned {
                 inner.split(top, aligned - top_start)
             } else {

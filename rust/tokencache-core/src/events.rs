@@ -58,7 +58,10 @@ mod tests {
     #[test]
     fn hashes_are_position_and_namespace_aware() {
         let a = chain_hashes(None, None, &[1, 2, 1, 2], 2);
-        assert_ne!(a[0], a[1], "same page at another position must hash differently");
+        assert_ne!(
+            a[0], a[1],
+            "same page at another position must hash differently"
+        );
         let b = chain_hashes(None, Some("x"), &[1, 2], 2);
         assert_ne!(a[0], b[0]);
         assert_eq!(chain_hashes(Some(a[0]), None, &[1, 2], 2)[0], a[1]);

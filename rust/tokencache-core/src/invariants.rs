@@ -24,8 +24,14 @@ pub(crate) fn check(inner: &Inner) -> Result<(), String> {
     let mut reached = 0usize;
 
     for (ns, &root) in &inner.roots {
-        let r = inner.arena.get(root).ok_or_else(|| format!("root of {ns:?} missing"))?;
-        ensure!(r.is_root && r.parent.is_none() && r.tokens.is_empty(), "bad root for {ns:?}");
+        let r = inner
+            .arena
+            .get(root)
+            .ok_or_else(|| format!("root of {ns:?} missing"))?;
+        ensure!(
+            r.is_root && r.parent.is_none() && r.tokens.is_empty(),
+            "bad root for {ns:?}"
+        );
         let mut stack: Vec<NodeId> = vec![root];
         while let Some(id) = stack.pop() {
             reached += 1;
@@ -34,10 +40,22 @@ pub(crate) fn check(inner: &Inner) -> Result<(), String> {
             let state = n.cell.load();
             let mut counted_children = 0;
             for (key, &c) in &n.children {
-                let child = inner.arena.get(c).ok_or_else(|| format!("dangling child {c:?}"))?;
-                ensure!(child.parent == Some(id), "child {c:?} does not point back to {id:?}");
-                ensure!(child.tokens[..page] == key[..], "child {c:?} filed under a wrong key");
-                ensure!(child.namespace == n.namespace, "child {c:?} changed namespace");
+                let child = inner
+                    .arena
+                    .get(c)
+                    .ok_or_else(|| format!("dangling child {c:?}"))?;
+                ensure!(
+                    child.parent == Some(id),
+                    "child {c:?} does not point back to {id:?}"
+                );
+                ensure!(
+                    child.tokens[..page] == key[..],
+                    "child {c:?} filed under a wrong key"
+                );
+                ensure!(
+                    child.namespace == n.namespace,
+                    "child {c:?} changed namespace"
+                );
                 counted_children += u64::from(child.counted);
                 stack.push(c);
             }
@@ -52,8 +70,14 @@ pub(crate) fn check(inner: &Inner) -> Result<(), String> {
                 continue;
             }
             ensure!(!n.tokens.is_empty(), "empty non-root node {id:?}");
-            ensure!(n.tokens.len() == n.slots.len(), "node {id:?} tokens/slots differ");
-            ensure!(n.tokens.len() % page == 0, "node {id:?} length not page aligned");
+            ensure!(
+                n.tokens.len() == n.slots.len(),
+                "node {id:?} tokens/slots differ"
+            );
+            ensure!(
+                n.tokens.len() % page == 0,
+                "node {id:?} length not page aligned"
+            );
             ensure!(
                 n.counted == NodeCell::is_protected(state),
                 "node {id:?} counted={} but cell protected={}",
@@ -61,7 +85,10 @@ pub(crate) fn check(inner: &Inner) -> Result<(), String> {
                 NodeCell::is_protected(state)
             );
             if inner.config.enable_events {
-                ensure!(n.page_hashes.len() == n.len() / page, "node {id:?} hash count");
+                ensure!(
+                    n.page_hashes.len() == n.len() / page,
+                    "node {id:?} hash count"
+                );
             }
             for &s in &n.slots {
                 ensure!(slots_seen.insert(s), "slot {s} is held twice");
@@ -75,15 +102,30 @@ pub(crate) fn check(inner: &Inner) -> Result<(), String> {
             let should_be_leaf = n.children.is_empty() && !n.counted;
             if should_be_leaf {
                 let key = policy.key(id, n);
-                ensure!(n.leaf_key == Some(key), "leaf {id:?} has key {:?}", n.leaf_key);
+                ensure!(
+                    n.leaf_key == Some(key),
+                    "leaf {id:?} has key {:?}",
+                    n.leaf_key
+                );
                 leaves.insert(key);
             } else {
                 ensure!(n.leaf_key.is_none(), "node {id:?} wrongly in the leaf set");
             }
         }
     }
-    ensure!(reached == inner.arena.len(), "{} nodes unreachable", inner.arena.len() - reached);
-    ensure!(sizes == inner.sizes, "sizes {:?} but recount gives {sizes:?}", inner.sizes);
-    ensure!(leaves == inner.leaves, "leaf set differs from the evictable leaves");
+    ensure!(
+        reached == inner.arena.len(),
+        "{} nodes unreachable",
+        inner.arena.len() - reached
+    );
+    ensure!(
+        sizes == inner.sizes,
+        "sizes {:?} but recount gives {sizes:?}",
+        inner.sizes
+    );
+    ensure!(
+        leaves == inner.leaves,
+        "leaf set differs from the evictable leaves"
+    );
     Ok(())
 }

@@ -70,11 +70,20 @@ impl Arena {
         if let Some(index) = self.free.pop() {
             let entry = &mut self.entries[index as usize];
             entry.node = Some(node);
-            NodeId { index, generation: entry.generation }
+            NodeId {
+                index,
+                generation: entry.generation,
+            }
         } else {
             let index = u32::try_from(self.entries.len()).expect("more than 2^32 nodes");
-            self.entries.push(Entry { generation: 0, node: Some(node) });
-            NodeId { index, generation: 0 }
+            self.entries.push(Entry {
+                generation: 0,
+                node: Some(node),
+            });
+            NodeId {
+                index,
+                generation: 0,
+            }
         }
     }
 
@@ -91,12 +100,16 @@ impl Arena {
 
     pub fn get(&self, id: NodeId) -> Option<&Node> {
         let entry = self.entries.get(id.index as usize)?;
-        (entry.generation == id.generation).then_some(entry.node.as_ref()).flatten()
+        (entry.generation == id.generation)
+            .then_some(entry.node.as_ref())
+            .flatten()
     }
 
     pub fn get_mut(&mut self, id: NodeId) -> Option<&mut Node> {
         let entry = self.entries.get_mut(id.index as usize)?;
-        (entry.generation == id.generation).then_some(entry.node.as_mut()).flatten()
+        (entry.generation == id.generation)
+            .then_some(entry.node.as_mut())
+            .flatten()
     }
 
     pub fn len(&self) -> usize {
@@ -105,9 +118,15 @@ impl Arena {
 
     pub fn iter(&self) -> impl Iterator<Item = (NodeId, &Node)> {
         self.entries.iter().enumerate().filter_map(|(i, e)| {
-            e.node
-                .as_ref()
-                .map(|n| (NodeId { index: i as u32, generation: e.generation }, n))
+            e.node.as_ref().map(|n| {
+                (
+                    NodeId {
+                        index: i as u32,
+                        generation: e.generation,
+                    },
+                    n,
+                )
+            })
         })
     }
 
@@ -128,12 +147,14 @@ impl Arena {
 impl std::ops::Index<NodeId> for Arena {
     type Output = Node;
     fn index(&self, id: NodeId) -> &Node {
-        self.get(id).expect("internal: stale node id inside the tree")
+        self.get(id)
+            .expect("internal: stale node id inside the tree")
     }
 }
 
 impl std::ops::IndexMut<NodeId> for Arena {
     fn index_mut(&mut self, id: NodeId) -> &mut Node {
-        self.get_mut(id).expect("internal: stale node id inside the tree")
+        self.get_mut(id)
+            .expect("internal: stale node id inside the tree")
     }
 }

@@ -3,7 +3,11 @@
 use crate::*;
 
 fn tree(page_size: usize) -> RadixTree {
-    RadixTree::new(TreeConfig { page_size, ..TreeConfig::default() }).unwrap()
+    RadixTree::new(TreeConfig {
+        page_size,
+        ..TreeConfig::default()
+    })
+    .unwrap()
 }
 
 fn ok(t: &RadixTree) {
@@ -13,7 +17,12 @@ fn ok(t: &RadixTree) {
 #[test]
 fn insert_match_split() {
     let t = tree(1);
-    assert_eq!(t.insert(&[1, 2, 3, 4], &[10, 11, 12, 13], None).unwrap().prefix_len, 0);
+    assert_eq!(
+        t.insert(&[1, 2, 3, 4], &[10, 11, 12, 13], None)
+            .unwrap()
+            .prefix_len,
+        0
+    );
     ok(&t);
     let m = t.match_prefix(&[1, 2, 9], None);
     assert_eq!((m.length, m.slots.clone()), (2, vec![10, 11]));
@@ -52,7 +61,14 @@ fn lock_protects_path_and_evict_skips_it() {
     t.insert(&[1, 2, 4], &[0, 1, 3], None).unwrap();
     assert_eq!(t.lock(&a).unwrap(), 3);
     ok(&t);
-    assert_eq!(t.sizes(), Sizes { evictable: 1, protected: 3, total: 4 });
+    assert_eq!(
+        t.sizes(),
+        Sizes {
+            evictable: 1,
+            protected: 3,
+            total: 4
+        }
+    );
     assert_eq!(t.evict(10), vec![3]);
     assert_eq!(t.unlock(&a).unwrap(), 3);
     assert!(matches!(t.unlock(&a), Err(Error::LockState(_))));
@@ -82,13 +98,30 @@ fn cursor_extend_follows_shared_path_and_reports_duplicates() {
     assert!(a.extend(&[1, 2, 3], &[0, 1, 2]).unwrap().is_empty());
     let mut b = t.cursor(None);
     let d = b.extend(&[1, 2, 7], &[5, 6, 7]).unwrap();
-    assert_eq!((d.positions, d.freed, d.slots), (vec![0, 1], vec![5, 6], vec![0, 1]));
+    assert_eq!(
+        (d.positions, d.freed, d.slots),
+        (vec![0, 1], vec![5, 6], vec![0, 1])
+    );
     assert_eq!(b.slots().unwrap(), vec![0, 1, 7]);
     ok(&t);
-    assert_eq!(t.sizes(), Sizes { evictable: 0, protected: 4, total: 4 });
+    assert_eq!(
+        t.sizes(),
+        Sizes {
+            evictable: 0,
+            protected: 4,
+            total: 4
+        }
+    );
     a.release().unwrap();
     ok(&t);
-    assert_eq!(t.sizes(), Sizes { evictable: 1, protected: 3, total: 4 });
+    assert_eq!(
+        t.sizes(),
+        Sizes {
+            evictable: 1,
+            protected: 3,
+            total: 4
+        }
+    );
     assert!(matches!(a.release(), Err(Error::LockState(_))));
     b.release().unwrap();
     assert_eq!(t.sizes().evictable, 4);
@@ -128,7 +161,11 @@ fn truncate_returns_exclusive_slots_only() {
     a.extend(&[1, 2, 3, 4], &[0, 1, 2, 3]).unwrap();
     let mut b = t.cursor(None);
     b.extend(&[1, 2], &[0, 1]).unwrap();
-    assert_eq!(a.truncate(3).unwrap(), vec![2, 3], "tokens 1..2 are shared with b");
+    assert_eq!(
+        a.truncate(3).unwrap(),
+        vec![2, 3],
+        "tokens 1..2 are shared with b"
+    );
     assert_eq!(a.length(), 1);
     ok(&t);
     assert_eq!(t.sizes().total, 2);
@@ -170,13 +207,20 @@ fn reset_makes_everything_stale() {
 
 #[test]
 fn events_chain_hashes() {
-    let t = RadixTree::new(TreeConfig { page_size: 2, enable_events: true, ..Default::default() })
-        .unwrap();
+    let t = RadixTree::new(TreeConfig {
+        page_size: 2,
+        enable_events: true,
+        ..Default::default()
+    })
+    .unwrap();
     t.insert(&[1, 2, 3, 4], &[0, 1, 2, 3], None).unwrap();
     t.insert(&[1, 2, 5, 6], &[0, 1, 4, 5], None).unwrap();
     let ev = t.take_events();
     assert_eq!(ev.len(), 2);
-    assert_eq!(ev[0].page_hashes, chain_hashes(None, None, &[1, 2, 3, 4], 2));
+    assert_eq!(
+        ev[0].page_hashes,
+        chain_hashes(None, None, &[1, 2, 3, 4], 2)
+    );
     assert_eq!(ev[1].parent_hash, Some(ev[0].page_hashes[0]));
     t.evict(100);
     let ev = t.take_events();
@@ -188,14 +232,27 @@ fn events_chain_hashes() {
 #[test]
 fn bad_input_is_refused() {
     let t = tree(1);
-    assert!(matches!(t.insert(&[1, 2], &[0], None), Err(Error::Shape(_))));
-    assert!(matches!(t.insert(&[1], &[-1], None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        t.insert(&[1, 2], &[0], None),
+        Err(Error::Shape(_))
+    ));
+    assert!(matches!(
+        t.insert(&[1], &[-1], None),
+        Err(Error::InvalidArgument(_))
+    ));
     let other = tree(1);
     let h = other.root();
     assert!(matches!(t.lock(&h), Err(Error::ForeignHandle(_))));
-    let strict = RadixTree::new(TreeConfig { page_size: 2, strict_pages: true, ..Default::default() })
-        .unwrap();
-    assert!(matches!(strict.insert(&[1, 2], &[1, 2], None), Err(Error::PageAlignment(_))));
+    let strict = RadixTree::new(TreeConfig {
+        page_size: 2,
+        strict_pages: true,
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(matches!(
+        strict.insert(&[1, 2], &[1, 2], None),
+        Err(Error::PageAlignment(_))
+    ));
     assert_eq!(t.sizes().total, 0);
     ok(&t);
 }

@@ -33,7 +33,12 @@ pub struct TreeConfig {
 
 impl Default for TreeConfig {
     fn default() -> Self {
-        Self { page_size: 1, policy: EvictionPolicy::Lru, enable_events: false, strict_pages: false }
+        Self {
+            page_size: 1,
+            policy: EvictionPolicy::Lru,
+            enable_events: false,
+            strict_pages: false,
+        }
     }
 }
 
@@ -120,7 +125,9 @@ impl Shared {
 
     pub fn check_handle(&self, inner: &Inner, h: &NodeHandle) -> Result<()> {
         if h.tree != self.id {
-            return Err(Error::ForeignHandle("node handle belongs to another tree".into()));
+            return Err(Error::ForeignHandle(
+                "node handle belongs to another tree".into(),
+            ));
         }
         match inner.arena.get(h.id) {
             Some(n) if Arc::ptr_eq(&n.cell, &h.cell) && !h.cell.is_dead() => Ok(()),
@@ -246,7 +253,9 @@ impl Inner {
     /// walking up only while something changes.
     pub fn reconcile(&mut self, mut id: NodeId) {
         loop {
-            let Some(node) = self.arena.get_mut(id) else { return };
+            let Some(node) = self.arena.get_mut(id) else {
+                return;
+            };
             if node.is_root || node.cell.is_dead() {
                 return;
             }
@@ -394,9 +403,16 @@ impl Inner {
         let (mut node, mut pos) = (start, 0);
         while pos < end {
             let key = &tokens[pos..pos + page];
-            let Some(&child) = self.arena[node].children.get(key) else { break };
+            let Some(&child) = self.arena[node].children.get(key) else {
+                break;
+            };
             let c = &self.arena[child];
-            let same = c.tokens.iter().zip(&tokens[pos..end]).take_while(|(a, b)| a == b).count();
+            let same = c
+                .tokens
+                .iter()
+                .zip(&tokens[pos..end])
+                .take_while(|(a, b)| a == b)
+                .count();
             let matched = same / page * page;
             seen(&c.slots[..matched], pos);
             let child_len = c.len();
@@ -490,7 +506,10 @@ pub(crate) fn validate(config: &TreeConfig, tokens: &[u32], slots: &[i64]) -> Re
         )));
     }
     if let Some(i) = slots.iter().position(|&s| s < 0) {
-        return Err(Error::InvalidArgument(format!("slot {} at index {i} is negative", slots[i])));
+        return Err(Error::InvalidArgument(format!(
+            "slot {} at index {i} is negative",
+            slots[i]
+        )));
     }
     if config.strict_pages && config.page_size > 1 {
         let page = config.page_size as i64;
@@ -515,7 +534,9 @@ pub struct RadixTree {
 impl RadixTree {
     pub fn new(config: TreeConfig) -> Result<Self> {
         if config.page_size == 0 {
-            return Err(Error::InvalidArgument("page_size must be at least 1".into()));
+            return Err(Error::InvalidArgument(
+                "page_size must be at least 1".into(),
+            ));
         }
         Ok(Self {
             shared: Arc::new(Shared {
@@ -548,7 +569,11 @@ impl RadixTree {
             length -= 1;
             slots.pop();
         }
-        MatchOutput { length, slots, node: self.shared.handle(&inner, node) }
+        MatchOutput {
+            length,
+            slots,
+            node: self.shared.handle(&inner, node),
+        }
     }
 
     /// Cache `tokens` -> `slots` (a tail shorter than a page is ignored).
@@ -564,9 +589,16 @@ impl RadixTree {
         let root = inner.root(namespace);
         let (mut node, prefix_len) = inner.descend(root, &tokens[..end], &mut |_, _| {});
         if prefix_len < end {
-            node = inner.add_node(node, tokens[prefix_len..end].to_vec(), slots[prefix_len..end].to_vec());
+            node = inner.add_node(
+                node,
+                tokens[prefix_len..end].to_vec(),
+                slots[prefix_len..end].to_vec(),
+            );
         }
-        Ok(InsertOutput { prefix_len, node: self.shared.handle(&inner, node) })
+        Ok(InsertOutput {
+            prefix_len,
+            node: self.shared.handle(&inner, node),
+        })
     }
 
     /// Protect `node` and its ancestors (SGLang `inc_lock_ref`); returns tokens newly protected.
@@ -590,7 +622,9 @@ impl RadixTree {
     /// Lock-free pin: one atomic operation on the node, no tree lock.
     pub fn pin(&self, node: &NodeHandle) -> Result<()> {
         if node.tree != self.shared.id {
-            return Err(Error::ForeignHandle("node handle belongs to another tree".into()));
+            return Err(Error::ForeignHandle(
+                "node handle belongs to another tree".into(),
+            ));
         }
         let crossing = node.cell.pin()?;
         self.shared.note_crossing(node.id, crossing);
@@ -600,7 +634,9 @@ impl RadixTree {
     /// Lock-free unpin.
     pub fn unpin(&self, node: &NodeHandle) -> Result<()> {
         if node.tree != self.shared.id {
-            return Err(Error::ForeignHandle("node handle belongs to another tree".into()));
+            return Err(Error::ForeignHandle(
+                "node handle belongs to another tree".into(),
+            ));
         }
         let crossing = node.cell.unpin()?;
         self.shared.note_crossing(node.id, crossing);
@@ -613,7 +649,9 @@ impl RadixTree {
         let mut inner = self.shared.lock();
         let mut freed = Vec::new();
         while freed.len() < num_tokens {
-            let Some(&(_, _, id)) = inner.leaves.first() else { break };
+            let Some(&(_, _, id)) = inner.leaves.first() else {
+                break;
+            };
             let cell = inner.arena[id].cell.clone();
             if !cell.try_kill(0) {
                 // Pinned since the lock was taken: apply that pin and look again.

@@ -94,12 +94,18 @@ impl Reference {
 
     fn insert_pages(&mut self, ns: usize, tokens: &[u32], slots: &[i64], from: usize, to: usize) {
         for end in (from + self.page..=to).step_by(self.page) {
-            self.cached.insert((ns, tokens[..end].to_vec()), slots[end - self.page..end].to_vec());
+            self.cached.insert(
+                (ns, tokens[..end].to_vec()),
+                slots[end - self.page..end].to_vec(),
+            );
         }
     }
 
     fn prefix_of_slot(&self) -> HashMap<i64, Prefix> {
-        self.cached.iter().flat_map(|(k, v)| v.iter().map(move |&s| (s, k.clone()))).collect()
+        self.cached
+            .iter()
+            .flat_map(|(k, v)| v.iter().map(move |&s| (s, k.clone())))
+            .collect()
     }
 }
 
@@ -130,14 +136,21 @@ fn ensure(cond: bool, msg: impl Into<String>) -> Result<(), TestCaseError> {
 
 impl Harness {
     fn new(page: usize, policy: EvictionPolicy, fault: Option<Fault>) -> Self {
-        let config = TreeConfig { page_size: page, policy, ..TreeConfig::default() };
+        let config = TreeConfig {
+            page_size: page,
+            policy,
+            ..TreeConfig::default()
+        };
         let tree = RadixTree::new(config).unwrap();
         if let Some(f) = fault {
             tree.plant_fault(f);
         }
         Self {
             tree,
-            reference: Reference { page, ..Reference::default() },
+            reference: Reference {
+                page,
+                ..Reference::default()
+            },
             handles: Vec::new(),
             cursors: Vec::new(),
             next_slot: 0,
@@ -154,7 +167,10 @@ impl Harness {
     /// The caller's allocator gets slots back: each must be live, and only once.
     fn give_back(&mut self, slots: &[i64]) -> Result<(), TestCaseError> {
         for s in slots {
-            ensure(self.live.remove(s), format!("slot {s} returned twice or never given"))?;
+            ensure(
+                self.live.remove(s),
+                format!("slot {s} returned twice or never given"),
+            )?;
         }
         Ok(())
     }
@@ -198,7 +214,10 @@ impl Harness {
         for (ns, p) in self.reference.cached.keys() {
             if p.len() > self.reference.page {
                 let parent = (*ns, p[..p.len() - self.reference.page].to_vec());
-                ensure(self.reference.cached.contains_key(&parent), "removal orphaned a prefix")?;
+                ensure(
+                    self.reference.cached.contains_key(&parent),
+                    "removal orphaned a prefix",
+                )?;
             }
         }
         Ok(())
@@ -207,13 +226,23 @@ impl Harness {
     fn check(&self) -> Result<(), TestCaseError> {
         self.tree.check_invariants().map_err(TestCaseError::fail)?;
         let sizes = self.tree.sizes();
-        ensure(sizes.total == self.reference.size(), format!("total {sizes:?}"))?;
+        ensure(
+            sizes.total == self.reference.size(),
+            format!("total {sizes:?}"),
+        )?;
         let protected = self.reference.protected(&self.pins());
-        ensure(sizes.protected == protected, format!("protected {sizes:?} != {protected}"))?;
+        ensure(
+            sizes.protected == protected,
+            format!("protected {sizes:?} != {protected}"),
+        )?;
         let tree_slots: BTreeSet<i64> = self.tree.all_slots().into_iter().collect();
         let ref_slots: BTreeSet<i64> = self.reference.cached.values().flatten().copied().collect();
         ensure(tree_slots == ref_slots, "cached slots differ")?;
-        for c in self.cursors.iter().filter(|c| !c.stale && !c.cursor.is_released()) {
+        for c in self
+            .cursors
+            .iter()
+            .filter(|c| !c.stale && !c.cursor.is_released())
+        {
             ensure(c.cursor.length() == c.tokens.len(), "cursor length")?;
             ensure(c.cursor.slots().unwrap() == c.slots, "cursor slots")?;
         }
@@ -240,7 +269,9 @@ impl Harness {
                     }
                 }
                 None => {
-                    self.reference.cached.insert(key, c.slots[start..start + page].to_vec());
+                    self.reference
+                        .cached
+                        .insert(key, c.slots[start..start + page].to_vec());
                 }
             }
         }
@@ -248,8 +279,9 @@ impl Harness {
     }
 
     fn pick_cursor(&self, i: usize) -> Option<usize> {
-        let open: Vec<usize> =
-            (0..self.cursors.len()).filter(|&c| !self.cursors[c].cursor.is_released()).collect();
+        let open: Vec<usize> = (0..self.cursors.len())
+            .filter(|&c| !self.cursors[c].cursor.is_released())
+            .collect();
         (!open.is_empty()).then(|| open[i % open.len()])
     }
 
@@ -260,15 +292,22 @@ impl Harness {
                 let aligned = self.reference.aligned(t.len());
                 let (expect, _) = self.reference.matched(*ns, t);
                 let r = self.tree.insert(t, &slots, NAMESPACES[*ns]).unwrap();
-                ensure(r.prefix_len == expect, format!("insert prefix {} != {expect}", r.prefix_len))?;
+                ensure(
+                    r.prefix_len == expect,
+                    format!("insert prefix {} != {expect}", r.prefix_len),
+                )?;
                 self.reference.insert_pages(*ns, t, &slots, expect, aligned);
                 self.live.extend(&slots[expect..aligned]);
-                self.handles.push((r.node, (*ns, t[..aligned].to_vec()), true));
+                self.handles
+                    .push((r.node, (*ns, t[..aligned].to_vec()), true));
             }
             Op::Match(ns, t) => {
                 let (len, slots) = self.reference.matched(*ns, t);
                 let m = self.tree.match_prefix(t, NAMESPACES[*ns]);
-                ensure(m.length == len && m.slots == slots, format!("match {} != {len}", m.length))?;
+                ensure(
+                    m.length == len && m.slots == slots,
+                    format!("match {} != {len}", m.length),
+                )?;
                 self.handles.push((m.node, (*ns, t[..len].to_vec()), true));
             }
             Op::Lock(i) | Op::Unlock(i) if !self.handles.is_empty() => {
@@ -281,7 +320,9 @@ impl Harness {
                         .cursors
                         .iter()
                         .filter(|c| !c.stale && !c.cursor.is_released() && c.ns == prefix.0)
-                        .filter(|c| c.tokens[..self.reference.aligned(c.tokens.len())] == prefix.1[..])
+                        .filter(|c| {
+                            c.tokens[..self.reference.aligned(c.tokens.len())] == prefix.1[..]
+                        })
                         .count();
                     if locks == 0 && cursor_pins > 0 {
                         return Ok(()); // would steal a cursor's pin: not a meaningful op
@@ -321,19 +362,32 @@ impl Harness {
                 let m = self.tree.match_prefix(t, NAMESPACES[*ns]);
                 let cursor = self.tree.cursor_at(&m.node).unwrap();
                 let tokens = t[..m.length].to_vec();
-                self.cursors.push(RefCursor { cursor, ns: *ns, tokens, slots: m.slots, stale: false });
+                self.cursors.push(RefCursor {
+                    cursor,
+                    ns: *ns,
+                    tokens,
+                    slots: m.slots,
+                    stale: false,
+                });
             }
             Op::Extend(i, t) => {
-                let Some(ci) = self.pick_cursor(*i) else { return Ok(()) };
+                let Some(ci) = self.pick_cursor(*i) else {
+                    return Ok(());
+                };
                 let slots = self.fresh_slots(t.len());
                 let r = self.cursors[ci].cursor.extend(t, &slots);
                 if self.cursors[ci].stale {
-                    return ensure(matches!(r, Err(Error::StaleHandle(_))), "stale cursor extended");
+                    return ensure(
+                        matches!(r, Err(Error::StaleHandle(_))),
+                        "stale cursor extended",
+                    );
                 }
                 let d = r.unwrap();
                 self.live.extend(&slots);
                 let want = self.extend_reference(ci, t, &slots);
-                let got: Vec<_> = (0..d.len()).map(|k| (d.positions[k], d.freed[k], d.slots[k])).collect();
+                let got: Vec<_> = (0..d.len())
+                    .map(|k| (d.positions[k], d.freed[k], d.slots[k]))
+                    .collect();
                 ensure(got == want, format!("dedup {got:?} != {want:?}"))?;
                 self.give_back(&d.freed)?;
             }
@@ -357,11 +411,19 @@ impl Harness {
                     .cursors
                     .iter_mut()
                     .enumerate()
-                    .filter_map(|(i, c)| order.iter().position(|&o| o == i).map(|k| (k, &mut c.cursor)))
+                    .filter_map(|(i, c)| {
+                        order
+                            .iter()
+                            .position(|&o| o == i)
+                            .map(|k| (k, &mut c.cursor))
+                    })
                     .collect();
                 ranked.sort_by_key(|(k, _)| *k);
                 let mut refs: Vec<&mut Cursor> = ranked.into_iter().map(|(_, c)| c).collect();
-                let d = self.tree.extend_many(&mut refs, &offsets, &all, &slots).unwrap();
+                let d = self
+                    .tree
+                    .extend_many(&mut refs, &offsets, &all, &slots)
+                    .unwrap();
                 self.live.extend(&slots);
                 let mut want = Vec::new();
                 for (k, ci) in order.drain(..).enumerate() {
@@ -377,16 +439,24 @@ impl Harness {
                 self.give_back(&d.freed)?;
             }
             Op::Truncate(i, k) => {
-                let Some(ci) = self.pick_cursor(*i) else { return Ok(()) };
+                let Some(ci) = self.pick_cursor(*i) else {
+                    return Ok(());
+                };
                 let before = (self.tree.all_slots(), self.tree.sizes());
                 let len = self.cursors[ci].tokens.len();
                 match self.cursors[ci].cursor.truncate(*k) {
                     Ok(freed) => {
-                        ensure(!self.cursors[ci].stale && *k <= len, "bad truncate accepted")?;
+                        ensure(
+                            !self.cursors[ci].stale && *k <= len,
+                            "bad truncate accepted",
+                        )?;
                         let target = len - k;
                         let c = &mut self.cursors[ci];
                         let dropped: HashSet<i64> = c.slots[target..].iter().copied().collect();
-                        ensure(freed.iter().all(|s| dropped.contains(s)), "freed a kept slot")?;
+                        ensure(
+                            freed.iter().all(|s| dropped.contains(s)),
+                            "freed a kept slot",
+                        )?;
                         c.tokens.truncate(target);
                         c.slots.truncate(target);
                         // A partial last page leaves the tree and becomes the cursor's own tail.
@@ -394,22 +464,43 @@ impl Harness {
                         self.give_back(&freed)?;
                         self.forget(&[freed, tail].concat())?;
                     }
-                    Err(Error::StaleHandle(_)) => ensure(self.cursors[ci].stale, "live cursor stale")?,
+                    Err(Error::StaleHandle(_)) => {
+                        ensure(self.cursors[ci].stale, "live cursor stale")?
+                    }
                     Err(Error::InvalidArgument(_)) => ensure(*k > len, "valid truncate refused")?,
                     Err(Error::PageAlignment(_)) => {
-                        ensure((len - k) % self.reference.page != 0, "aligned truncate refused")?;
-                        ensure(before == (self.tree.all_slots(), self.tree.sizes()), "refusal changed the tree")?;
+                        ensure(
+                            (len - k) % self.reference.page != 0,
+                            "aligned truncate refused",
+                        )?;
+                        ensure(
+                            before == (self.tree.all_slots(), self.tree.sizes()),
+                            "refusal changed the tree",
+                        )?;
                     }
                     Err(e) => return Err(TestCaseError::fail(format!("unexpected {e}"))),
                 }
             }
             Op::Release(i) => {
-                let Some(ci) = self.pick_cursor(*i) else { return Ok(()) };
+                let Some(ci) = self.pick_cursor(*i) else {
+                    return Ok(());
+                };
                 let returned = self.cursors[ci].cursor.release().unwrap();
                 let c = &self.cursors[ci];
-                let cached = if c.stale { 0 } else { self.reference.aligned(c.tokens.len()) };
-                let owned = if c.stale { c.slots[self.reference.aligned(c.slots.len())..].to_vec() } else { c.slots[cached..].to_vec() };
-                ensure(returned == owned, format!("release returned {returned:?}, owned {owned:?}"))?;
+                let cached = if c.stale {
+                    0
+                } else {
+                    self.reference.aligned(c.tokens.len())
+                };
+                let owned = if c.stale {
+                    c.slots[self.reference.aligned(c.slots.len())..].to_vec()
+                } else {
+                    c.slots[cached..].to_vec()
+                };
+                ensure(
+                    returned == owned,
+                    format!("release returned {returned:?}, owned {owned:?}"),
+                )?;
                 self.give_back(&returned)?;
                 self.cursors[ci].stale = true;
             }
@@ -435,7 +526,9 @@ impl Harness {
             for (h, p, alive) in self.handles.clone() {
                 if p == prefix && alive {
                     for _ in 0..n {
-                        self.tree.unlock(&h).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        self.tree
+                            .unlock(&h)
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
                     }
                     break;
                 }
@@ -450,12 +543,23 @@ impl Harness {
         let freed = self.tree.evict(usize::MAX);
         self.give_back(&freed)?;
         self.tree.check_invariants().map_err(TestCaseError::fail)?;
-        ensure(self.tree.sizes().total == 0, "tree not empty after draining")?;
-        ensure(self.live.is_empty(), format!("{} slots leaked", self.live.len()))
+        ensure(
+            self.tree.sizes().total == 0,
+            "tree not empty after draining",
+        )?;
+        ensure(
+            self.live.is_empty(),
+            format!("{} slots leaked", self.live.len()),
+        )
     }
 }
 
-fn run(page: usize, policy: EvictionPolicy, fault: Option<Fault>, ops: &[Op]) -> Result<(), TestCaseError> {
+fn run(
+    page: usize,
+    policy: EvictionPolicy,
+    fault: Option<Fault>,
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
     let mut h = Harness::new(page, policy, fault);
     for op in ops {
         h.apply(op)?;
@@ -464,7 +568,11 @@ fn run(page: usize, policy: EvictionPolicy, fault: Option<Fault>, ops: &[Op]) ->
 }
 
 fn policies() -> impl Strategy<Value = EvictionPolicy> {
-    prop_oneof![Just(EvictionPolicy::Lru), Just(EvictionPolicy::Lfu), Just(EvictionPolicy::Fifo)]
+    prop_oneof![
+        Just(EvictionPolicy::Lru),
+        Just(EvictionPolicy::Lfu),
+        Just(EvictionPolicy::Fifo)
+    ]
 }
 
 proptest! {
@@ -484,9 +592,18 @@ proptest! {
 #[test]
 fn harness_catches_planted_bugs() {
     for fault in [Fault::SkipParentOnUnprotect, Fault::ShortMatch] {
-        let mut runner = TestRunner::new(Config { cases: 400, failure_persistence: None, ..Config::default() });
-        let strategy = (prop_oneof![Just(1usize), Just(2)], prop::collection::vec(op(), 1..60));
-        let result = runner.run(&strategy, |(page, ops)| run(page, EvictionPolicy::Lru, Some(fault), &ops));
+        let mut runner = TestRunner::new(Config {
+            cases: 400,
+            failure_persistence: None,
+            ..Config::default()
+        });
+        let strategy = (
+            prop_oneof![Just(1usize), Just(2)],
+            prop::collection::vec(op(), 1..60),
+        );
+        let result = runner.run(&strategy, |(page, ops)| {
+            run(page, EvictionPolicy::Lru, Some(fault), &ops)
+        });
         assert!(result.is_err(), "planted fault {fault:?} went unnoticed");
     }
 }

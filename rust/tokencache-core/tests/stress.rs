@@ -44,7 +44,10 @@ impl Slots {
 }
 
 fn rounds() -> usize {
-    std::env::var("STRESS_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(20000)
+    std::env::var("STRESS_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20000)
 }
 
 fn worker(tree: RadixTree, slots: Arc<Slots>, seed: u64, prompt: Arc<Vec<u32>>) {
@@ -97,7 +100,10 @@ fn worker(tree: RadixTree, slots: Arc<Slots>, seed: u64, prompt: Arc<Vec<u32>>) 
 #[test]
 fn threads_extend_pin_and_evict_without_losing_slots() {
     let tree = RadixTree::new(TreeConfig::default()).unwrap();
-    let slots = Arc::new(Slots { next: AtomicI64::new(0), live: Mutex::new(HashSet::new()) });
+    let slots = Arc::new(Slots {
+        next: AtomicI64::new(0),
+        live: Mutex::new(HashSet::new()),
+    });
     let prompt: Arc<Vec<u32>> = Arc::new((0..64).map(|i| 100 + i).collect());
     let stop = Arc::new(AtomicBool::new(false));
 

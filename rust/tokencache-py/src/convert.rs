@@ -15,9 +15,16 @@ fn check_token(index: usize, value: i64) -> Result<u32, Error> {
 pub(crate) fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let out = if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         let a = a.as_array();
-        a.iter().enumerate().map(|(i, &v)| check_token(i, v)).collect()
+        a.iter()
+            .enumerate()
+            .map(|(i, &v)| check_token(i, v))
+            .collect()
     } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        a.as_array().iter().enumerate().map(|(i, &v)| check_token(i, v.into())).collect()
+        a.as_array()
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| check_token(i, v.into()))
+            .collect()
     } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
         Ok(a.as_array().to_vec())
     } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
@@ -25,12 +32,18 @@ pub(crate) fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         a.iter()
             .enumerate()
             .map(|(i, &v)| {
-                u32::try_from(v).map_err(|_| Error::InvalidToken { index: i, value: v as i64 })
+                u32::try_from(v).map_err(|_| Error::InvalidToken {
+                    index: i,
+                    value: v as i64,
+                })
             })
             .collect()
     } else {
         let v = sequence(obj, "tokens")?;
-        v.iter().enumerate().map(|(i, &x)| check_token(i, x)).collect()
+        v.iter()
+            .enumerate()
+            .map(|(i, &x)| check_token(i, x))
+            .collect()
     };
     out.map_err(to_py)
 }
@@ -68,11 +81,17 @@ fn sequence(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
         };
         return Err(to_py(Error::Shape(msg)));
     }
-    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(to_py(Error::Shape(format!("{what} must be a sequence of ints"))));
+    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>()
+    {
+        return Err(to_py(Error::Shape(format!(
+            "{what} must be a sequence of ints"
+        ))));
     }
-    obj.extract::<Vec<i64>>()
-        .map_err(|_| to_py(Error::Shape(format!("{what} must be a 1-D sequence of ints"))))
+    obj.extract::<Vec<i64>>().map_err(|_| {
+        to_py(Error::Shape(format!(
+            "{what} must be a 1-D sequence of ints"
+        )))
+    })
 }
 
 pub(crate) fn array<'py>(py: Python<'py>, v: Vec<i64>) -> Bound<'py, PyArray1<i64>> {

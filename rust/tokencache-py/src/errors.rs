@@ -29,7 +29,9 @@ fn make(
     let dict = PyDict::new(py);
     dict.set_item("__doc__", doc)?;
     dict.set_item("__module__", "tokencache")?;
-    let ty = py.get_type::<PyType>().call1((name, PyTuple::new(py, bases)?, dict))?;
+    let ty = py
+        .get_type::<PyType>()
+        .call1((name, PyTuple::new(py, bases)?, dict))?;
     Ok(ty.downcast_into::<PyType>()?.unbind())
 }
 
@@ -110,7 +112,9 @@ fn raise(py: Python<'_>, ty: &Py<PyType>, msg: String) -> PyErr {
 
 pub(crate) fn to_py(e: Error) -> PyErr {
     Python::with_gil(|py| {
-        let c = CLASSES.get(py).expect("tokencache._native initialised its exceptions");
+        let c = CLASSES
+            .get(py)
+            .expect("tokencache._native initialised its exceptions");
         let msg = e.to_string();
         match e {
             Error::InvalidToken { .. } => raise(py, &c.invalid_token, msg),

@@ -52,7 +52,12 @@ impl PyNode {
     }
     fn __repr__(&self) -> String {
         let id = self.inner.id();
-        format!("Node(id={}, generation={}, alive={})", id.index, id.generation, self.is_alive())
+        format!(
+            "Node(id={}, generation={}, alive={})",
+            id.index,
+            id.generation,
+            self.is_alive()
+        )
     }
 }
 
@@ -133,7 +138,11 @@ struct PyKvEvent {
 #[pymethods]
 impl PyKvEvent {
     fn __repr__(&self) -> String {
-        format!("KVEvent(kind={:?}, pages={})", self.kind, self.page_hashes.len())
+        format!(
+            "KVEvent(kind={:?}, pages={})",
+            self.kind,
+            self.page_hashes.len()
+        )
     }
 }
 
@@ -155,7 +164,9 @@ impl PyCursor {
     }
     #[getter]
     fn node(&self) -> PyNode {
-        PyNode { inner: self.inner.node() }
+        PyNode {
+            inner: self.inner.node(),
+        }
     }
     #[getter]
     fn namespace(&self) -> Option<String> {
@@ -214,7 +225,9 @@ impl PyCursor {
 
 fn count(n: i64, what: &str) -> PyResult<usize> {
     usize::try_from(n).map_err(|_| {
-        errors::to_py(core::Error::InvalidArgument(format!("{what} must be non-negative, got {n}")))
+        errors::to_py(core::Error::InvalidArgument(format!(
+            "{what} must be non-negative, got {n}"
+        )))
     })
 }
 
@@ -246,7 +259,9 @@ impl PyRadixTree {
             enable_events,
             strict_pages,
         };
-        Ok(Self { inner: core::RadixTree::new(config).py_err()? })
+        Ok(Self {
+            inner: core::RadixTree::new(config).py_err()?,
+        })
     }
 
     #[getter]
@@ -259,7 +274,9 @@ impl PyRadixTree {
     }
     #[getter]
     fn root(&self) -> PyNode {
-        PyNode { inner: self.inner.root() }
+        PyNode {
+            inner: self.inner.root(),
+        }
     }
 
     #[pyo3(signature = (tokens, namespace=None))]
@@ -289,7 +306,9 @@ impl PyRadixTree {
     ) -> PyResult<PyInsertResult> {
         let (t, s) = (convert::tokens(tokens)?, convert::slots(slots)?);
         let tree = &self.inner;
-        let r = py.allow_threads(|| tree.insert(&t, &s, namespace.as_deref())).py_err()?;
+        let r = py
+            .allow_threads(|| tree.insert(&t, &s, namespace.as_deref()))
+            .py_err()?;
         Ok(PyInsertResult {
             prefix_len: r.prefix_len,
             node: Py::new(py, PyNode { inner: r.node })?,
@@ -377,16 +396,22 @@ impl PyRadixTree {
     }
 
     fn check_invariants(&self) -> PyResult<()> {
-        self.inner.check_invariants().map_err(pyo3::exceptions::PyAssertionError::new_err)
+        self.inner
+            .check_invariants()
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
     #[pyo3(signature = (namespace=None))]
     fn cursor(&self, namespace: Option<String>) -> PyCursor {
-        PyCursor { inner: self.inner.cursor(namespace.as_deref()) }
+        PyCursor {
+            inner: self.inner.cursor(namespace.as_deref()),
+        }
     }
 
     fn cursor_at(&self, node: &PyNode) -> PyResult<PyCursor> {
-        Ok(PyCursor { inner: self.inner.cursor_at(&node.inner).py_err()? })
+        Ok(PyCursor {
+            inner: self.inner.cursor_at(&node.inner).py_err()?,
+        })
     }
 
     fn extend_many(
@@ -397,11 +422,20 @@ impl PyRadixTree {
         tokens: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<PyDedup> {
-        let (o, t, s) = (convert::offsets(offsets)?, convert::tokens(tokens)?, convert::slots(slots)?);
-        let mut refs = cursors.iter().map(|c| c.try_borrow_mut()).collect::<Result<Vec<_>, _>>()?;
+        let (o, t, s) = (
+            convert::offsets(offsets)?,
+            convert::tokens(tokens)?,
+            convert::slots(slots)?,
+        );
+        let mut refs = cursors
+            .iter()
+            .map(|c| c.try_borrow_mut())
+            .collect::<Result<Vec<_>, _>>()?;
         let mut inner: Vec<&mut core::Cursor> = refs.iter_mut().map(|r| &mut r.inner).collect();
         let tree = &self.inner;
-        let d = py.allow_threads(|| tree.extend_many(&mut inner, &o, &t, &s)).py_err()?;
+        let d = py
+            .allow_threads(|| tree.extend_many(&mut inner, &o, &t, &s))
+            .py_err()?;
         Ok(dedup(py, d))
     }
 

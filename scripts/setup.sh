@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install everything tokencache needs into ./.venv and build the extension. Idempotent: a second
+# run only rebuilds what changed. Uses the packages already on the machine when there are some.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv --system-site-packages .venv
+fi
+PY=.venv/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip_install() { "$PY" -m pip install -q "$@"; }
+
+# torch first and pinned: nothing installed after it may replace it (see SGLANG.md).
+pip_install "torch==2.13.0"
+
+normal=() nodeps=()
+for f in requirements/*.txt; do
+  case "$f" in
+    *-nodeps.txt) nodeps+=(-r "$f") ;;
+    *) normal+=(-r "$f") ;;
+  esac
+done
+pip_install "${normal[@]}"
+pip_install --no-deps "${nodeps[@]}"
+"$PY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
+if command -v rustup >/dev/null 2>&1; then
+  rustup component add rustfmt clippy >/dev/null 2>&1 || true
+fi
+
+# The extension (maturin, release profile) and the integrations, both editable.
+pip_install --no-build-isolation -e .
+pip_install --no-build-isolation --no-deps -e integrations
+"$PY" -c "import tokencache; print('tokencache', tokencache.__version__, 'ready')"

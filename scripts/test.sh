@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: installs what it needs, then lint, Rust tests, Python
+# tests (benchmarks run once each as smoke tests), and the benchmark command in quick mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+echo "== rust: fmt, clippy, tests"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --release -- -D warnings
+cargo test -p tokencache-core --release
+
+echo "== python: ruff, mypy"
+ruff check .
+ruff format --check .
+mypy
+
+echo "== python: tests and benchmark smoke tests"
+python -m pytest -q
+
+echo "== main job and benchmark command, quick mode"
+python -m tokencache --lengths 512 2048 --rounds 2
+if python -c "import tokencache_bench" 2>/dev/null; then
+  python -m tokencache_bench --quick --out bench-out/quick
+fi
