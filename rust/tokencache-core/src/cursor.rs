@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::cell::{NodeCell, CHILD_UNIT};
 use crate::error::{Error, Result};
 use crate::node::NodeId;
-use crate::tree::{validate, Inner, NodeHandle, RadixTree, Shared};
+use crate::tree::{validate_pages, validate_shape, Inner, NodeHandle, RadixTree, Shared};
 
 /// Slots a cursor did not keep because the tree already held those tokens. The caller frees
 /// `freed[i]` and uses `slots[i]` for position `positions[i]` of request `request[i]`.
@@ -77,7 +77,7 @@ impl RadixTree {
         tokens: &[u32],
         slots: &[i64],
     ) -> Result<Dedup> {
-        validate(&self.shared.config, tokens, slots)?;
+        validate_shape(tokens, slots)?;
         if offsets.len() != cursors.len() + 1
             || offsets.first() != Some(&0)
             || offsets.last() != Some(&tokens.len())
@@ -180,7 +180,7 @@ impl Cursor {
     /// cached the same continuation), the cursor follows the shared path and reports the
     /// caller's slots that became duplicates.
     pub fn extend(&mut self, tokens: &[u32], slots: &[i64]) -> Result<Dedup> {
-        validate(&self.shared.config, tokens, slots)?;
+        validate_shape(tokens, slots)?;
         let shared = self.shared.clone();
         let mut inner = shared.lock();
         self.check(&inner)?;
@@ -202,13 +202,13 @@ impl Cursor {
         let (all_tokens, all_slots): (Cow<[u32]>, Cow<[i64]>) = if self.pending_tokens.is_empty() {
             (Cow::Borrowed(tokens), Cow::Borrowed(slots))
         } else {
-            let mut t = std::mem::take(&mut self.pending_tokens);
-            let mut s = std::mem::take(&mut self.pending_slots);
-            t.extend_from_slice(tokens);
-            s.extend_from_slice(slots);
-            (Cow::Owned(t), Cow::Owned(s))
+            (
+                Cow::Owned([&self.pending_tokens[..], tokens].concat()),
+                Cow::Owned([&self.pending_slots[..], slots].concat()),
+            )
         };
         let end = all_tokens.len() / page * page;
+        validate_pages(&inner.config, &all_slots[..end])?;
         let base = self.cached_len as i64;
         let (mut node, pos) = inner.descend(self.node, &all_tokens[..end], &mut |run, at| {
             for (i, (&tree_slot, &ours)) in run.iter().zip(&all_slots[at..]).enumerate() {
