@@ -220,17 +220,18 @@ impl Cursor {
                 }
             }
         });
-        if pos < end {
-            node = inner.add_node(
-                node,
-                all_tokens[pos..end].to_vec(),
-                all_slots[pos..end].to_vec(),
-            );
+        let created = pos < end;
+        if created {
+            // Born pinned by this cursor: no trip through the evictable-leaf set.
+            let (t, s) = (all_tokens[pos..end].to_vec(), all_slots[pos..end].to_vec());
+            node = inner.add_node(node, t, s, true);
         }
         if node != self.node {
             // Pin the new end before letting go of the old one: ancestors stay protected
             // throughout and only the nodes just passed change state.
-            inner.pin(node)?;
+            if !created {
+                inner.pin(node)?;
+            }
             inner.unpin(self.node)?;
             self.cell = inner.arena[node].cell.clone();
             self.node = node;

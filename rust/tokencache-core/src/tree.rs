@@ -299,8 +299,15 @@ impl Inner {
         Ok(())
     }
 
-    /// A new unpinned node under `parent`.
-    pub fn add_node(&mut self, parent: NodeId, tokens: Vec<u32>, slots: Vec<i64>) -> NodeId {
+    /// A new node under `parent`, unpinned or with one pin (a cursor's), which skips the
+    /// evictable-leaf set entirely.
+    pub fn add_node(
+        &mut self,
+        parent: NodeId,
+        tokens: Vec<u32>,
+        slots: Vec<i64>,
+        pinned: bool,
+    ) -> NodeId {
         let created = self.next_tick();
         let ns = self.arena[parent].namespace;
         let page_hashes = if self.config.enable_events {
@@ -325,8 +332,8 @@ impl Inner {
             children: FxHashMap::default(),
             tokens,
             slots,
-            cell: Arc::new(NodeCell::default()),
-            counted: false,
+            cell: Arc::new(NodeCell::with_state(u64::from(pinned))),
+            counted: pinned,
             is_root: false,
             namespace: ns,
             last_access: created,
@@ -337,8 +344,14 @@ impl Inner {
         });
         self.arena[parent].children.insert(key, id);
         self.sizes.total += len;
-        self.sizes.evictable += len;
-        self.sync_leaf(id);
+        if pinned {
+            self.sizes.protected += len;
+            self.arena[parent].cell.add_protected_child(true);
+            self.reconcile(parent);
+        } else {
+            self.sizes.evictable += len;
+            self.sync_leaf(id);
+        }
         if self.arena[parent].leaf_key.is_some() {
             self.sync_leaf(parent);
         }
@@ -604,6 +617,7 @@ impl RadixTree {
                 node,
                 tokens[prefix_len..end].to_vec(),
                 slots[prefix_len..end].to_vec(),
+                false,
             );
         }
         Ok(InsertOutput {

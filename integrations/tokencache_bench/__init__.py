@@ -1,0 +1,1 @@
+"""Standalone microbenchmarks: tokencache beside SGLang's prefix caches on one routing trace."""
