@@ -116,6 +116,14 @@ impl Arena {
         self.live
     }
 
+    pub fn capacity(&self) -> usize {
+        self.entries.capacity()
+    }
+
+    pub fn entry_size(&self) -> usize {
+        std::mem::size_of::<Entry>()
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (NodeId, &Node)> {
         self.entries.iter().enumerate().filter_map(|(i, e)| {
             e.node.as_ref().map(|n| {

@@ -256,3 +256,13 @@ fn bad_input_is_refused() {
     assert_eq!(t.sizes().total, 0);
     ok(&t);
 }
+
+#[test]
+fn memory_accounting_grows_with_content() {
+    let t = tree(1);
+    let empty = t.memory_bytes();
+    let tokens: Vec<u32> = (0..1000).collect();
+    let slots: Vec<i64> = (0..1000).collect();
+    t.insert(&tokens, &slots, None).unwrap();
+    assert!(t.memory_bytes() >= empty + 12 * 1000);
+}

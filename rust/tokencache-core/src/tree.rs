@@ -420,13 +420,7 @@ impl Inner {
                 break;
             };
             let c = &self.arena[child];
-            let same = c
-                .tokens
-                .iter()
-                .zip(&tokens[pos..end])
-                .take_while(|(a, b)| a == b)
-                .count();
-            let matched = same / page * page;
+            let matched = common_prefix(&c.tokens, &tokens[pos..end]) / page * page;
             seen(&c.slots[..matched], pos);
             let child_len = c.len();
             self.touch(child);
@@ -507,6 +501,21 @@ impl Inner {
         }
         out
     }
+}
+
+/// Length of the common prefix, compared a block at a time (the hot loop of a long match).
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    const BLOCK: usize = 16;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
+        i += BLOCK;
+    }
+    i + a[i..n]
+        .iter()
+        .zip(&b[i..n])
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 /// Reject inputs that would break the tree; nothing is changed before this passes.
@@ -692,6 +701,23 @@ impl RadixTree {
 
     pub fn sizes(&self) -> Sizes {
         self.shared.lock().sizes
+    }
+
+    /// Heap bytes the tree holds (nodes, token and slot arrays, child maps, the leaf set):
+    /// an accounting of capacities, not an allocator measurement.
+    pub fn memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let inner = self.shared.lock();
+        let mut bytes = inner.arena.capacity() * inner.arena.entry_size();
+        for (_, n) in inner.arena.iter() {
+            bytes += n.tokens.capacity() * size_of::<u32>()
+                + n.slots.capacity() * size_of::<i64>()
+                + n.page_hashes.capacity() * size_of::<u64>()
+                + n.children.capacity() * (size_of::<PageKey>() + size_of::<NodeId>() + 1)
+                + size_of::<crate::cell::NodeCell>()
+                + 2 * size_of::<usize>();
+        }
+        bytes + inner.leaves.len() * (size_of::<LeafKey>() + size_of::<usize>())
     }
 
     pub fn node_count(&self) -> usize {

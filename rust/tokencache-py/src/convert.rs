@@ -7,43 +7,45 @@ use tokencache_core::Error;
 
 use crate::errors::to_py;
 
-fn check_token(index: usize, value: i64) -> Result<u32, Error> {
-    u32::try_from(value).map_err(|_| Error::InvalidToken { index, value })
+/// Narrow to u32 in two vectorizable passes (check, then convert); only a failing input pays
+/// for finding the offending index.
+fn narrow<T: Copy + Into<i128>>(values: &[T]) -> Result<Vec<u32>, Error> {
+    let in_range = |v: T| (0..=i128::from(u32::MAX)).contains(&v.into());
+    if values.iter().all(|&v| in_range(v)) {
+        return Ok(values.iter().map(|&v| v.into() as u32).collect());
+    }
+    let index = values
+        .iter()
+        .position(|&v| !in_range(v))
+        .expect("an id is out of range");
+    let value = values[index].into();
+    Err(Error::InvalidToken {
+        index,
+        value: value.clamp(i64::MIN.into(), i64::MAX.into()) as i64,
+    })
+}
+
+fn narrow_array<T: Copy + Into<i128> + numpy::Element>(
+    a: &PyReadonlyArray1<'_, T>,
+) -> Result<Vec<u32>, Error> {
+    match a.as_slice() {
+        Ok(s) => narrow(s),
+        Err(_) => narrow(&a.as_array().to_vec()),
+    }
 }
 
 /// Token ids as u32, checked: negative or oversized ids raise InvalidTokenError.
 pub(crate) fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let out = if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        let a = a.as_array();
-        a.iter()
-            .enumerate()
-            .map(|(i, &v)| check_token(i, v))
-            .collect()
+        narrow_array(&a)
     } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        a.as_array()
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| check_token(i, v.into()))
-            .collect()
+        narrow_array(&a)
     } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
         Ok(a.as_array().to_vec())
     } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
-        let a = a.as_array();
-        a.iter()
-            .enumerate()
-            .map(|(i, &v)| {
-                u32::try_from(v).map_err(|_| Error::InvalidToken {
-                    index: i,
-                    value: v as i64,
-                })
-            })
-            .collect()
+        narrow_array(&a)
     } else {
-        let v = sequence(obj, "tokens")?;
-        v.iter()
-            .enumerate()
-            .map(|(i, &x)| check_token(i, x))
-            .collect()
+        narrow(&sequence(obj, "tokens")?)
     };
     out.map_err(to_py)
 }

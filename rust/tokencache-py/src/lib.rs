@@ -350,6 +350,9 @@ impl PyRadixTree {
     fn node_count(&self) -> usize {
         self.inner.node_count()
     }
+    fn memory_bytes(&self) -> usize {
+        self.inner.memory_bytes()
+    }
 
     fn reset<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         let tree = &self.inner;
