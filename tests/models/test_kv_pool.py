@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tokencache_models import KVPool, ModelConfig, SlotAllocator
 
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from tokencache_models import (
     QWEN3_0_6B,
     ForwardBatch,

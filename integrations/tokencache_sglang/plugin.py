@@ -1,0 +1,85 @@
+"""SGLang plugin: registers ``--radix-cache-backend tokencache``.
+
+SGLang loads the ``sglang.srt.plugins`` entry point ``tokencache`` in each of its processes
+(scheduler, detokenizer, ...) and calls :func:`register`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.mem_cache.registry import (
+    get_radix_cache_factory,
+    register_radix_cache_backend,
+)
+
+from tokencache_sglang.cache import (
+    SUPPORTED_EVICTION_POLICIES,
+    TokenCacheRadixCache,
+    UnsupportedConfigError,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+BACKEND_NAME = "tokencache"
+
+
+def _server_arg(ctx: TreeCacheBuildContext, name: str, default: Any = None) -> Any:
+    return getattr(ctx.server_args, name, default) if ctx.server_args is not None else default
+
+
+def unsupported_reasons(ctx: TreeCacheBuildContext) -> list[str]:
+    """Every configuration in ``ctx`` this backend cannot serve (empty when all is well)."""
+    reasons = []
+    if ctx.is_hybrid_ssm:
+        reasons.append("models with mamba/SSM state (hybrid SSM)")
+    if ctx.is_hybrid_swa:
+        reasons.append("hybrid sliding-window-attention models (SWA)")
+    if ctx.is_dsa:
+        reasons.append("DeepSeek sparse attention (DSA) models")
+    if ctx.enable_hierarchical_cache:
+        reasons.append("--enable-hierarchical-cache (HiCache)")
+    if _server_arg(ctx, "disaggregation_decode_retraction_backup") == "host_pool":
+        reasons.append("--disaggregation-decode-retraction-backup host_pool")
+    if _server_arg(ctx, "enable_streaming_session"):
+        reasons.append("--enable-streaming-session")
+    if _server_arg(ctx, "enable_session_radix_cache") or ctx.params.enable_session_radix_cache:
+        reasons.append("--enable-session-radix-cache")
+    if _server_arg(ctx, "enable_lmcache"):
+        reasons.append("--enable-lmcache")
+    if _server_arg(ctx, "schedule_policy") == "dfs-weight":
+        reasons.append("--schedule-policy dfs-weight (needs node.children walks)")
+    if ctx.params.is_eagle:
+        reasons.append("EAGLE speculative decoding (bigram radix keys)")
+    policy = (ctx.params.eviction_policy or "lru").lower()
+    if policy not in SUPPORTED_EVICTION_POLICIES:
+        supported = ", ".join(SUPPORTED_EVICTION_POLICIES)
+        reasons.append(f"--radix-eviction-policy {policy} (supported: {supported})")
+    if ctx.params.eviction_policy_config:
+        reasons.append("--radix-eviction-policy-config")
+    return reasons
+
+
+def build_tokencache(ctx: TreeCacheBuildContext) -> TokenCacheRadixCache:
+    """The registry factory: a TokenCacheRadixCache, or a start-up error naming what to drop."""
+    reasons = unsupported_reasons(ctx)
+    if reasons:
+        raise UnsupportedConfigError(
+            "--radix-cache-backend tokencache does not support: "
+            + "; ".join(reasons)
+            + ". Drop those options, or drop --radix-cache-backend to use SGLang's own cache."
+        )
+    return TokenCacheRadixCache(ctx.params)
+
+
+def register() -> None:
+    """Entry point: idempotent, since several SGLang processes (and tests) load plugins."""
+    existing = get_radix_cache_factory(BACKEND_NAME)
+    if existing is build_tokencache:
+        return
+    if existing is not None:
+        raise RuntimeError(
+            f"radix-cache backend {BACKEND_NAME!r} is already registered by {existing!r}"
+        )
+    register_radix_cache_backend(BACKEND_NAME, build_tokencache)
