@@ -11,8 +11,11 @@ PY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip_install() { "$PY" -m pip install -q "$@"; }
 
-# torch first and pinned: nothing installed after it may replace it (see SGLANG.md).
-pip_install "torch==2.13.0"
+# torch first and pinned: nothing installed after it may replace it (see SGLANG.md). Only when
+# missing: re-resolving it would swap SGLang's triton 3.9.0 for torch's own pin and back.
+if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  pip_install "torch==2.13.0"
+fi
 
 normal=() nodeps=()
 for f in requirements/*.txt; do

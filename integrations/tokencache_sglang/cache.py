@@ -212,7 +212,8 @@ class TokenCacheRadixCache(BasePrefixCache):
         tokens = token_array(key.token_ids, n)
         # Without a value RadixCache stores the token ids themselves (a debug fallback).
         slots = tokens.copy() if params.value is None else self._to_numpy(params.value[:n])
-        result = self.tree.insert(tokens, slots, namespace_of(key.extra_key, key.cache_salt))
+        namespace = namespace_of(key.extra_key, key.cache_salt)
+        result = self.tree.insert(tokens, slots, namespace, inserted_len=params.inserted_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.node)
 
     def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:
@@ -269,11 +270,8 @@ class TokenCacheRadixCache(BasePrefixCache):
             lock.prompt_split = True
         # RadixCache's checkpoint re-matches the whole key, so every node on the request's path
         # becomes most recently used, which decides later LRU eviction order.
-        touch = getattr(cursor, "touch", None)
-        if touch is not None:
-            touch()  # O(1) native path refresh, where the extension provides it
-        else:
-            self.tree.match_prefix(token_array(all_tokens, key_len), cursor.namespace)
+        # The cursor does that in O(1) (ancestors inherit the stamp when their children leave).
+        cursor.touch()
         lock.node = cursor.node
         req.last_node = cursor.node
         kv.cache_protected_len = cursor.length
@@ -283,7 +281,8 @@ class TokenCacheRadixCache(BasePrefixCache):
         tokens = token_array(req.full_untruncated_fill_ids, key_len)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         slots = self._to_numpy(row[:key_len])
-        prefix_len = self.tree.insert(tokens, slots, namespace).prefix_len
+        inserted = kv.cache_inserted_len
+        prefix_len = self.tree.insert(tokens, slots, namespace, inserted_len=inserted).prefix_len
         kv.cache_inserted_len = max(kv.cache_inserted_len, key_len)
         prompt_len = self._aligned_len(len(req.origin_input_ids))
         if 0 < prompt_len < key_len:

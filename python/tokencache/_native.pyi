@@ -133,6 +133,8 @@ class Cursor:
     def released(self) -> bool: ...
     def extend(self, tokens: ArrayLike, slots: ArrayLike) -> Dedup | None:
         """Append tokens with their KV slots in O(len(tokens)); returns the duplicates, if any."""
+    def touch(self) -> None:
+        """Mark the whole sequence used now (LRU) in O(1)."""
     def truncate(self, num_tokens: int) -> NDArray[np.int64]:
         """Drop the last num_tokens; returns the slots only this cursor held (caller frees)."""
     def release(self) -> NDArray[np.int64]:
@@ -159,8 +161,14 @@ class RadixTree:
     def root(self) -> Node: ...
     def match_prefix(self, tokens: ArrayLike, namespace: str | None = None) -> MatchResult: ...
     def insert(
-        self, tokens: ArrayLike, slots: ArrayLike, namespace: str | None = None
-    ) -> InsertResult: ...
+        self,
+        tokens: ArrayLike,
+        slots: ArrayLike,
+        namespace: str | None = None,
+        inserted_len: int = 0,
+    ) -> InsertResult:
+        """Cache tokens -> slots. Nodes within inserted_len (this caller's earlier insert)
+        count no new LFU hit, like SGLang's InsertParams.inserted_len."""
     def lock(self, node: Node) -> int:
         """Protect node and its ancestors; returns how many tokens became protected."""
     def unlock(self, node: Node) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 SEQ = st.integers(0, 11)
@@ -38,21 +38,15 @@ OPS = st.one_of(
     st.tuples(st.just("abort"), PICK),
 )
 
-# Known native differences, each pinned by a strict xfail below
-# (test_lfu_counts_inserts_not_matches, test_fifo_split_parent_is_new); random streams find
-# them too, though not with every set of examples, hence not strict here.
-NATIVE_LFU = pytest.mark.xfail(reason="native LFU counts match hits", strict=False)
-NATIVE_FIFO = pytest.mark.xfail(reason="native FIFO split keeps creation time", strict=False)
-
 CONFIGS = [
     (1, False, "lru"),
     (1, True, "lru"),
     (16, False, "lru"),
     (16, True, "lru"),
-    pytest.param(1, False, "lfu", marks=NATIVE_LFU),
-    pytest.param(16, True, "lfu", marks=NATIVE_LFU),
-    pytest.param(1, False, "fifo", marks=NATIVE_FIFO),
-    pytest.param(16, False, "fifo", marks=NATIVE_FIFO),
+    (1, False, "lfu"),
+    (16, True, "lfu"),
+    (1, False, "fifo"),
+    (16, False, "fifo"),
 ]
 
 MAX_LIVE_REQS = 8
@@ -192,12 +186,8 @@ def run_stream(
 
 @pytest.mark.parametrize(("page_size", "use_ns", "policy"), CONFIGS)
 def test_random_streams(sgl: SimpleNamespace, page_size: int, use_ns: bool, policy: str) -> None:
-    # Shrinking the known lfu/fifo differences (see NATIVE_*) would take most of the run.
-    phases = tuple(Phase) if policy == "lru" else (Phase.explicit, Phase.generate)
-
     @settings(
         max_examples=150,
-        phases=phases,
         deadline=None,
         derandomize=True,
         database=None,
@@ -264,11 +254,6 @@ def test_final_checkpoint_refreshes_whole_path(sgl: SimpleNamespace) -> None:
     run_stream(sgl, 1, True, "lru", 0, ops)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="native match_prefix adds an LFU hit; RadixCache counts hits on insert only",
-)
 def test_lfu_counts_inserts_not_matches(sgl: SimpleNamespace) -> None:
     """Insert A, insert B twice, match A three times: RadixCache's LFU evicts A (1 hit vs 2)."""
     from sgl_harness import corpus
@@ -310,11 +295,6 @@ def test_checkpoints_move_the_cursor(sgl: SimpleNamespace) -> None:
     assert ours.cache.protected_size() == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="native split keeps the creation time on the new parent; SGLang stamps it new",
-)
 def test_fifo_split_parent_is_new(sgl: SimpleNamespace) -> None:
     """Insert A, insert B, match a prefix of A (splitting it): under SGLang's FIFO the split-off
     parent is the newest node, so after A's tail the next victim is B, not A's head."""

@@ -72,7 +72,7 @@ fn handoff(c: &mut Criterion) {
                 all.extend(slots(&mut w.next_slot, DELTA));
                 let m = w.tree.match_prefix(&seq, None);
                 w.tree.lock(&m.node).unwrap();
-                let r = w.tree.insert(&seq, &all, None).unwrap();
+                let r = w.tree.insert(&seq, &all, None, 0).unwrap();
                 w.tree.unlock(&m.node).unwrap();
                 black_box(r.prefix_len);
             })
@@ -115,7 +115,7 @@ fn match_and_evict(c: &mut Criterion) {
         b.iter(|| {
             let t: Vec<u32> = (base..base + 512).collect();
             base += 512;
-            tree.insert(&t, &slots(&mut next, 512), None).unwrap();
+            tree.insert(&t, &slots(&mut next, 512), None, 0).unwrap();
             black_box(tree.evict(512));
         })
     });

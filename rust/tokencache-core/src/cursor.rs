@@ -210,7 +210,8 @@ impl Cursor {
         let end = all_tokens.len() / page * page;
         validate_pages(&inner.config, &all_slots[..end])?;
         let base = self.cached_len as i64;
-        let (mut node, pos) = inner.descend(self.node, &all_tokens[..end], &mut |run, at| {
+        let hits = Some(0); // everything past the cursor is newly inserted by this request
+        let (mut node, pos) = inner.descend(self.node, &all_tokens[..end], hits, &mut |run, at| {
             for (i, (&tree_slot, &ours)) in run.iter().zip(&all_slots[at..]).enumerate() {
                 if tree_slot != ours {
                     dedup.request.push(request);
@@ -225,6 +226,7 @@ impl Cursor {
             // Born pinned by this cursor: no trip through the evictable-leaf set.
             let (t, s) = (all_tokens[pos..end].to_vec(), all_slots[pos..end].to_vec());
             node = inner.add_node(node, t, s, true);
+            inner.hit(node);
         }
         if node != self.node {
             // Pin the new end before letting go of the old one: ancestors stay protected
@@ -239,6 +241,18 @@ impl Cursor {
         self.cached_len += end;
         self.pending_tokens = all_tokens[end..].to_vec();
         self.pending_slots = all_slots[end..].to_vec();
+        Ok(())
+    }
+
+    /// Mark the whole sequence used now, in O(1): only the cursor's node is stamped; ancestors
+    /// inherit the stamp when their children leave (see `Inner::adopt_stamp`). This is what an
+    /// SGLang re-insert from the root does to LRU order, without the walk.
+    pub fn touch(&self) -> Result<()> {
+        let mut inner = self.shared.lock();
+        self.check(&inner)?;
+        if !inner.arena[self.node].is_root {
+            inner.touch(self.node);
+        }
         Ok(())
     }
 
@@ -398,6 +412,7 @@ fn remove_claimed(inner: &mut Inner, id: NodeId) -> (Vec<u32>, Vec<i64>) {
     let page = inner.page();
     let node = inner.arena.remove(id).expect("claimed node is live");
     let parent = node.parent.expect("claimed node has a parent");
+    inner.adopt_stamp(parent, &node);
     inner.arena[parent].children.remove(&node.tokens[..page]);
     inner.sizes.protected -= node.len();
     inner.sizes.total -= node.len();

@@ -18,7 +18,7 @@ fn ok(t: &RadixTree) {
 fn insert_match_split() {
     let t = tree(1);
     assert_eq!(
-        t.insert(&[1, 2, 3, 4], &[10, 11, 12, 13], None)
+        t.insert(&[1, 2, 3, 4], &[10, 11, 12, 13], None, 0)
             .unwrap()
             .prefix_len,
         0
@@ -28,7 +28,7 @@ fn insert_match_split() {
     assert_eq!((m.length, m.slots.clone()), (2, vec![10, 11]));
     assert_eq!(t.node_count(), 2, "the match split the node");
     ok(&t);
-    let r = t.insert(&[1, 2, 3, 5], &[20, 21, 22, 23], None).unwrap();
+    let r = t.insert(&[1, 2, 3, 5], &[20, 21, 22, 23], None, 0).unwrap();
     assert_eq!(r.prefix_len, 3);
     assert_eq!(t.sizes().total, 5);
     ok(&t);
@@ -37,7 +37,8 @@ fn insert_match_split() {
 #[test]
 fn pages_ignore_partial_tail_and_split_on_page_boundaries() {
     let t = tree(2);
-    t.insert(&[1, 2, 3, 4, 5], &[0, 1, 2, 3, 4], None).unwrap();
+    t.insert(&[1, 2, 3, 4, 5], &[0, 1, 2, 3, 4], None, 0)
+        .unwrap();
     assert_eq!(t.sizes().total, 4);
     let m = t.match_prefix(&[1, 2, 3, 9], None);
     assert_eq!(m.length, 2);
@@ -47,7 +48,7 @@ fn pages_ignore_partial_tail_and_split_on_page_boundaries() {
 #[test]
 fn namespaces_never_share() {
     let t = tree(1);
-    t.insert(&[1, 2], &[0, 1], Some("a")).unwrap();
+    t.insert(&[1, 2], &[0, 1], Some("a"), 0).unwrap();
     assert_eq!(t.match_prefix(&[1, 2], None).length, 0);
     assert_eq!(t.match_prefix(&[1, 2], Some("b")).length, 0);
     assert_eq!(t.match_prefix(&[1, 2], Some("a")).length, 2);
@@ -57,8 +58,8 @@ fn namespaces_never_share() {
 #[test]
 fn lock_protects_path_and_evict_skips_it() {
     let t = tree(1);
-    let a = t.insert(&[1, 2, 3], &[0, 1, 2], None).unwrap().node;
-    t.insert(&[1, 2, 4], &[0, 1, 3], None).unwrap();
+    let a = t.insert(&[1, 2, 3], &[0, 1, 2], None, 0).unwrap().node;
+    t.insert(&[1, 2, 4], &[0, 1, 3], None, 0).unwrap();
     assert_eq!(t.lock(&a).unwrap(), 3);
     ok(&t);
     assert_eq!(
@@ -82,9 +83,9 @@ fn lock_protects_path_and_evict_skips_it() {
 #[test]
 fn lru_order() {
     let t = tree(1);
-    t.insert(&[1], &[1], None).unwrap();
-    t.insert(&[2], &[2], None).unwrap();
-    t.insert(&[3], &[3], None).unwrap();
+    t.insert(&[1], &[1], None, 0).unwrap();
+    t.insert(&[2], &[2], None, 0).unwrap();
+    t.insert(&[3], &[3], None, 0).unwrap();
     t.match_prefix(&[1], None);
     assert_eq!(t.evict(1), vec![2]);
     assert_eq!(t.evict(1), vec![3]);
@@ -213,8 +214,8 @@ fn events_chain_hashes() {
         ..Default::default()
     })
     .unwrap();
-    t.insert(&[1, 2, 3, 4], &[0, 1, 2, 3], None).unwrap();
-    t.insert(&[1, 2, 5, 6], &[0, 1, 4, 5], None).unwrap();
+    t.insert(&[1, 2, 3, 4], &[0, 1, 2, 3], None, 0).unwrap();
+    t.insert(&[1, 2, 5, 6], &[0, 1, 4, 5], None, 0).unwrap();
     let ev = t.take_events();
     assert_eq!(ev.len(), 2);
     assert_eq!(
@@ -233,11 +234,11 @@ fn events_chain_hashes() {
 fn bad_input_is_refused() {
     let t = tree(1);
     assert!(matches!(
-        t.insert(&[1, 2], &[0], None),
+        t.insert(&[1, 2], &[0], None, 0),
         Err(Error::Shape(_))
     ));
     assert!(matches!(
-        t.insert(&[1], &[-1], None),
+        t.insert(&[1], &[-1], None, 0),
         Err(Error::InvalidArgument(_))
     ));
     let other = tree(1);
@@ -250,7 +251,7 @@ fn bad_input_is_refused() {
     })
     .unwrap();
     assert!(matches!(
-        strict.insert(&[1, 2], &[1, 2], None),
+        strict.insert(&[1, 2], &[1, 2], None, 0),
         Err(Error::PageAlignment(_))
     ));
     assert_eq!(t.sizes().total, 0);
@@ -263,6 +264,67 @@ fn memory_accounting_grows_with_content() {
     let empty = t.memory_bytes();
     let tokens: Vec<u32> = (0..1000).collect();
     let slots: Vec<i64> = (0..1000).collect();
-    t.insert(&tokens, &slots, None).unwrap();
+    t.insert(&tokens, &slots, None, 0).unwrap();
     assert!(t.memory_bytes() >= empty + 12 * 1000);
+}
+
+fn tree_with(policy: EvictionPolicy) -> RadixTree {
+    RadixTree::new(TreeConfig { policy, ..TreeConfig::default() }).unwrap()
+}
+
+#[test]
+fn lfu_counts_insertions_not_matches() {
+    let t = tree_with(EvictionPolicy::Lfu);
+    t.insert(&[1, 2, 3], &[10, 11, 12], None, 0).unwrap();
+    t.insert(&[4, 5, 6], &[20, 21, 22], None, 0).unwrap();
+    t.insert(&[4, 5, 6], &[30, 31, 32], None, 0).unwrap();
+    for _ in 0..3 {
+        t.match_prefix(&[1, 2, 3], None);
+    }
+    assert_eq!(t.evict(1), vec![10, 11, 12], "[4,5,6] was inserted twice");
+}
+
+#[test]
+fn lfu_inserted_len_skips_own_prefix() {
+    let t = tree_with(EvictionPolicy::Lfu);
+    t.insert(&[1, 2], &[10, 11], None, 0).unwrap();
+    t.insert(&[1, 2], &[10, 11], None, 2).unwrap(); // the same caller again: no new hit
+    t.insert(&[3, 4], &[20, 21], None, 0).unwrap();
+    assert_eq!(t.evict(1), vec![10, 11]);
+}
+
+#[test]
+fn fifo_split_prefix_is_a_new_node() {
+    let t = tree_with(EvictionPolicy::Fifo);
+    t.insert(&[1, 2, 3, 4, 5, 6], &[10, 11, 12, 13, 14, 15], None, 0).unwrap();
+    t.insert(&[9, 9], &[20, 21], None, 0).unwrap();
+    t.match_prefix(&[1, 2, 3], None);
+    let mut freed = t.evict(4);
+    freed.sort();
+    assert_eq!(freed, vec![13, 14, 15, 20, 21]);
+}
+
+#[test]
+fn cursor_touch_refreshes_the_whole_path_lazily() {
+    let t = tree(1);
+    let mut a = t.cursor(None);
+    a.extend(&[1, 2, 3], &[10, 11, 12]).unwrap();
+    let mut b = t.cursor(None);
+    b.extend(&[4, 5, 6], &[20, 21, 22]).unwrap();
+    a.touch().unwrap();
+    a.release().unwrap();
+    b.release().unwrap();
+    assert_eq!(t.evict(1), vec![20, 21, 22]);
+    // the parent inherits its evicted child's stamp
+    let mut c = t.cursor(None);
+    c.extend(&[7, 8], &[30, 31]).unwrap();
+    let mut d = t.cursor(None);
+    d.extend(&[7, 8, 9], &[30, 31, 40]).unwrap();
+    t.insert(&[5, 5], &[50, 51], None, 0).unwrap();
+    d.touch().unwrap();
+    c.release().unwrap();
+    d.release().unwrap();
+    assert_eq!(t.evict(1), vec![10, 11, 12]);
+    assert_eq!(t.evict(1), vec![50, 51]);
+    t.check_invariants().unwrap();
 }

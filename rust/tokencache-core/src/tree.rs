@@ -239,12 +239,20 @@ impl Inner {
         }
     }
 
+    /// Mark used now (LRU). Hits (LFU) are counted separately, by insertions only, as SGLang does.
     pub fn touch(&mut self, id: NodeId) {
         let t = self.next_tick();
         let node = &mut self.arena[id];
         node.last_access = t;
-        node.hits += 1;
         if node.leaf_key.is_some() {
+            self.sync_leaf(id);
+        }
+    }
+
+    pub fn hit(&mut self, id: NodeId) {
+        let node = &mut self.arena[id];
+        node.hits += 1;
+        if node.leaf_key.is_some() && self.config.policy == EvictionPolicy::Lfu {
             self.sync_leaf(id);
         }
     }
@@ -337,7 +345,7 @@ impl Inner {
             is_root: false,
             namespace: ns,
             last_access: created,
-            hits: 1,
+            hits: 0,
             created,
             page_hashes,
             leaf_key: None,
@@ -376,13 +384,14 @@ impl Inner {
         let head_hashes = std::mem::replace(&mut node.page_hashes, tail_hashes);
         let parent = node.parent.expect("roots are never split");
         let counted = node.counted;
-        let (last_access, hits, created, ns) =
-            (node.last_access, node.hits, node.created, node.namespace);
+        let (hits, ns) = (node.hits, node.namespace);
         let child_key = PageKey::from_slice(&node.tokens[..page]);
         let head_key = PageKey::from_slice(&head_tokens[..page]);
         let state = if counted { crate::cell::CHILD_UNIT } else { 0 };
         let mut children = FxHashMap::default();
         children.insert(child_key, id);
+        // Like SGLang, the prefix is a new node: fresh creation and access stamps.
+        let now = self.next_tick();
         let head = self.arena.insert(Node {
             parent: Some(parent),
             children,
@@ -392,9 +401,9 @@ impl Inner {
             counted,
             is_root: false,
             namespace: ns,
-            last_access,
+            last_access: now,
             hits,
-            created,
+            created: now,
             page_hashes: head_hashes,
             leaf_key: None,
         });
@@ -405,10 +414,13 @@ impl Inner {
 
     /// Follow `tokens` down from `start` over whole pages, splitting where the match ends inside
     /// a node and touching every node passed. `seen(tree_slots, pos)` gets each matched run.
+    /// With `hits_after = Some(n)`, a node reached past position `n` counts a hit (SGLang's
+    /// insert with `inserted_len = n`); matches count none.
     pub fn descend(
         &mut self,
         start: NodeId,
         tokens: &[u32],
+        hits_after: Option<usize>,
         seen: &mut dyn FnMut(&[i64], usize),
     ) -> (NodeId, usize) {
         let page = self.page();
@@ -425,11 +437,17 @@ impl Inner {
             let child_len = c.len();
             self.touch(child);
             pos += matched;
+            node = if matched < child_len {
+                self.split(child, matched)
+            } else {
+                child
+            };
+            if hits_after.is_some_and(|n| pos > n) {
+                self.hit(node);
+            }
             if matched < child_len {
-                node = self.split(child, matched);
                 break;
             }
-            node = child;
         }
         (node, pos)
     }
@@ -442,6 +460,7 @@ impl Inner {
             self.leaves.remove(&key);
         }
         let parent = node.parent.expect("leaf has a parent");
+        self.adopt_stamp(parent, &node);
         self.arena[parent].children.remove(&node.tokens[..page]);
         if node.counted {
             self.arena[parent].cell.add_protected_child(false);
@@ -463,6 +482,16 @@ impl Inner {
         }
         self.sync_leaf(parent);
         node.slots
+    }
+
+    /// A parent outlives its removed child with the child's access stamp if newer: a cursor
+    /// touches only its own node (O(1)), while SGLang stamps the whole path; both agree on
+    /// every node by the time it becomes a leaf.
+    pub fn adopt_stamp(&mut self, parent: NodeId, child: &Node) {
+        let p = &mut self.arena[parent];
+        if child.last_access > p.last_access {
+            p.last_access = child.last_access;
+        }
     }
 
     /// Tokens from the namespace root to the end of `id`.
@@ -596,8 +625,9 @@ impl RadixTree {
         let mut inner = self.shared.lock();
         let root = inner.root(namespace);
         let mut slots = Vec::new();
-        let (node, mut length) =
-            inner.descend(root, tokens, &mut |run, _| slots.extend_from_slice(run));
+        let (node, mut length) = inner.descend(root, tokens, None, &mut |run, _| {
+            slots.extend_from_slice(run)
+        });
         if inner.fault == Some(Fault::ShortMatch) && length > 0 {
             length -= 1;
             slots.pop();
@@ -610,17 +640,22 @@ impl RadixTree {
     }
 
     /// Cache `tokens` -> `slots` (a tail shorter than a page is ignored).
+    ///
+    /// `inserted_len` is how much of `tokens` this caller inserted before (SGLang's
+    /// `InsertParams.inserted_len`): nodes up to there do not count another LFU hit.
     pub fn insert(
         &self,
         tokens: &[u32],
         slots: &[i64],
         namespace: Option<&str>,
+        inserted_len: usize,
     ) -> Result<InsertOutput> {
         validate(&self.shared.config, tokens, slots)?;
         let mut inner = self.shared.lock();
         let end = tokens.len() / inner.page() * inner.page();
         let root = inner.root(namespace);
-        let (mut node, prefix_len) = inner.descend(root, &tokens[..end], &mut |_, _| {});
+        let (mut node, prefix_len) =
+            inner.descend(root, &tokens[..end], Some(inserted_len), &mut |_, _| {});
         if prefix_len < end {
             node = inner.add_node(
                 node,
@@ -628,6 +663,9 @@ impl RadixTree {
                 slots[prefix_len..end].to_vec(),
                 false,
             );
+            if end > inserted_len {
+                inner.hit(node);
+            }
         }
         Ok(InsertOutput {
             prefix_len,

@@ -291,7 +291,7 @@ impl Harness {
                 let slots = self.fresh_slots(t.len());
                 let aligned = self.reference.aligned(t.len());
                 let (expect, _) = self.reference.matched(*ns, t);
-                let r = self.tree.insert(t, &slots, NAMESPACES[*ns]).unwrap();
+                let r = self.tree.insert(t, &slots, NAMESPACES[*ns], 0).unwrap();
                 ensure(
                     r.prefix_len == expect,
                     format!("insert prefix {} != {expect}", r.prefix_len),

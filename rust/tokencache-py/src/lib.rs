@@ -188,6 +188,11 @@ impl PyCursor {
         Ok((!d.is_empty()).then(|| dedup(py, d)))
     }
 
+    /// Mark the whole sequence used now (LRU), in O(1).
+    fn touch(&self) -> PyResult<()> {
+        self.inner.touch().py_err()
+    }
+
     fn truncate<'py>(
         &mut self,
         py: Python<'py>,
@@ -296,18 +301,20 @@ impl PyRadixTree {
         })
     }
 
-    #[pyo3(signature = (tokens, slots, namespace=None))]
+    #[pyo3(signature = (tokens, slots, namespace=None, inserted_len=0))]
     fn insert(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
         namespace: Option<String>,
+        inserted_len: i64,
     ) -> PyResult<PyInsertResult> {
         let (t, s) = (convert::tokens(tokens)?, convert::slots(slots)?);
+        let inserted_len = count(inserted_len, "inserted_len")?;
         let tree = &self.inner;
         let r = py
-            .allow_threads(|| tree.insert(&t, &s, namespace.as_deref()))
+            .allow_threads(|| tree.insert(&t, &s, namespace.as_deref(), inserted_len))
             .py_err()?;
         Ok(PyInsertResult {
             prefix_len: r.prefix_len,
