@@ -1,9 +1,11 @@
 //! Criterion benchmarks of the core operations on the MISSION hand-off shape: a 512-token
-//! shared prompt, requests growing by ~20 tokens per hand-off.
+//! shared prompt, requests growing by ~20 tokens per hand-off. Each timed hand-off is undone in
+//! the same iteration (truncate / evict), so the tree stays the same size: millions of
+//! iterations would otherwise measure page faults on fresh memory.
 //!
 //! `cargo bench -p tokencache-core --bench tree_ops`
 
-use criterion::{black_box, criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokencache_core::{Cursor, RadixTree, TreeConfig};
 
 const PROMPT: usize = 512;
@@ -52,17 +54,22 @@ fn handoff(c: &mut Criterion) {
     for len in [512usize, 2048, 8192] {
         let mut w = world(len, 8);
         let mut tok = 1_000_000u32;
-        group.bench_with_input(BenchmarkId::new("cursor_extend", len), &len, |b, _| {
-            b.iter(|| {
-                let t: Vec<u32> = (0..DELTA as u32).map(|i| tok + i).collect();
-                tok += DELTA as u32;
-                let s = slots(&mut w.next_slot, DELTA);
-                black_box(w.cursors[0].extend(&t, &s).unwrap());
-            })
-        });
+        group.bench_with_input(
+            BenchmarkId::new("cursor_extend_truncate", len),
+            &len,
+            |b, _| {
+                b.iter(|| {
+                    let t: Vec<u32> = (0..DELTA as u32).map(|i| tok + i).collect();
+                    tok += DELTA as u32;
+                    let s = slots(&mut w.next_slot, DELTA);
+                    black_box(w.cursors[0].extend(&t, &s).unwrap());
+                    black_box(w.cursors[0].truncate(DELTA).unwrap());
+                })
+            },
+        );
         // The SGLang way: match the whole sequence from the root, lock, insert, unlock.
         let mut w = world(len, 8);
-        group.bench_with_input(BenchmarkId::new("readmit_from_root", len), &len, |b, _| {
+        group.bench_with_input(BenchmarkId::new("readmit_evict", len), &len, |b, _| {
             b.iter(|| {
                 let mut seq = w.cursors[1].tokens().unwrap();
                 let t: Vec<u32> = (0..DELTA as u32).map(|i| tok + i).collect();
@@ -75,6 +82,7 @@ fn handoff(c: &mut Criterion) {
                 let r = w.tree.insert(&seq, &all, None, 0).unwrap();
                 w.tree.unlock(&m.node).unwrap();
                 black_box(r.prefix_len);
+                black_box(w.tree.evict(DELTA)); // the only unpinned leaf is the one just added
             })
         });
     }
@@ -84,21 +92,18 @@ fn handoff(c: &mut Criterion) {
 fn batch(c: &mut Criterion) {
     let mut w = world(1024, 256);
     let mut tok = 2_000_000u32;
-    c.bench_function("extend_many_256x20", |b| {
-        b.iter_batched(
-            || {
-                let t: Vec<u32> = (0..256 * DELTA as u32).map(|i| tok + i).collect();
-                tok += 256 * DELTA as u32;
-                let offsets: Vec<usize> = (0..=256).map(|i| i * DELTA).collect();
-                (t, offsets)
-            },
-            |(t, offsets)| {
-                let s = slots(&mut w.next_slot, t.len());
-                let mut refs: Vec<&mut Cursor> = w.cursors.iter_mut().collect();
-                black_box(w.tree.extend_many(&mut refs, &offsets, &t, &s).unwrap());
-            },
-            BatchSize::SmallInput,
-        )
+    c.bench_function("extend_many_256x20_then_truncate", |b| {
+        b.iter(|| {
+            let t: Vec<u32> = (0..256 * DELTA as u32).map(|i| tok + i).collect();
+            tok += 256 * DELTA as u32;
+            let offsets: Vec<usize> = (0..=256).map(|i| i * DELTA).collect();
+            let s = slots(&mut w.next_slot, t.len());
+            let mut refs: Vec<&mut Cursor> = w.cursors.iter_mut().collect();
+            black_box(w.tree.extend_many(&mut refs, &offsets, &t, &s).unwrap());
+            for c in &mut w.cursors {
+                black_box(c.truncate(DELTA).unwrap());
+            }
+        })
     });
 }
 

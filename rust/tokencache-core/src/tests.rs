@@ -269,7 +269,11 @@ fn memory_accounting_grows_with_content() {
 }
 
 fn tree_with(policy: EvictionPolicy) -> RadixTree {
-    RadixTree::new(TreeConfig { policy, ..TreeConfig::default() }).unwrap()
+    RadixTree::new(TreeConfig {
+        policy,
+        ..TreeConfig::default()
+    })
+    .unwrap()
 }
 
 #[test]
@@ -296,7 +300,8 @@ fn lfu_inserted_len_skips_own_prefix() {
 #[test]
 fn fifo_split_prefix_is_a_new_node() {
     let t = tree_with(EvictionPolicy::Fifo);
-    t.insert(&[1, 2, 3, 4, 5, 6], &[10, 11, 12, 13, 14, 15], None, 0).unwrap();
+    t.insert(&[1, 2, 3, 4, 5, 6], &[10, 11, 12, 13, 14, 15], None, 0)
+        .unwrap();
     t.insert(&[9, 9], &[20, 21], None, 0).unwrap();
     t.match_prefix(&[1, 2, 3], None);
     let mut freed = t.evict(4);
