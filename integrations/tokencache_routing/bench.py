@@ -1,0 +1,201 @@
+"""Routed decode benchmark: naive dispatcher vs tokencache cursors, in one harness.
+
+    python -m tokencache_routing.bench [--quick] [--plot routing_bench.png]
+
+Tiny random models on CPU by default. For each routing rate p and batch size it reports decode
+tokens/s measured on this machine (the two models run in turn on one CPU), tokens/s modelled on
+two devices (per step: small and large forwards overlap without a barrier, add up with one),
+the bookkeeping share (time in tokencache calls over time in calls plus forwards), the small
+model's idle share (modelled), catch-up batch sizes and tokens the large model prefills per
+escalation. The small model alone and the large model alone are the bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokencache_models import CausalLM, ModelConfig, random_model
+
+from .engine import RoutedEngine, Stats
+from .routers import BernoulliRouter, Router, ScriptedRouter
+from .scheduler import SchedulerConfig
+
+
+def tiny_config(layers: int, hidden: int) -> ModelConfig:
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=4096,
+    )
+
+
+@dataclass
+class Row:
+    system: str
+    p: float
+    batch: int
+    stats: Stats
+
+
+def make_prompts(n: int, shared: int, unique: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, vocab, (shared,), generator=g).tolist()
+    return [base + torch.randint(0, vocab, (unique,), generator=g).tolist() for _ in range(n)]
+
+
+def run_one(
+    small: CausalLM,
+    large: CausalLM,
+    router: Router,
+    prompts: list[list[int]],
+    max_new: int,
+    dispatch: str,
+    sched: SchedulerConfig,
+) -> Stats:
+    slots = len(prompts) * (len(prompts[0]) + max_new) + 64
+    eng = RoutedEngine(
+        small, large, router, num_slots=slots, dispatch=dispatch, scheduler=sched, clock="measured"
+    )
+    return eng.generate(prompts, max_new).stats
+
+
+def fmt_row(r: Row) -> str:
+    s = r.stats
+    sizes = s.catchup_batch_sizes
+    mean_b = f"{statistics.mean(sizes):.1f}" if sizes else "-"
+    per_esc = f"{sum(s.catchup_tokens) / s.escalations:.1f}" if s.escalations else "-"
+    p = "-" if r.system.endswith("alone") else f"{r.p:.2f}"
+    return (
+        f"| {r.system} | {p} | {r.batch} | {s.tokens_per_s:.0f} | {s.modeled_tokens_per_s:.0f} | "
+        f"{100 * s.bookkeeping_share:.2f}% | {100 * s.small_idle_share:.1f}% | {mean_b} | "
+        f"{max(sizes) if sizes else '-'} | {per_esc} | {s.preemptions} |"
+    )
+
+
+HEADER = (
+    "| system | p | batch | tok/s (this CPU) | tok/s (2 devices, modelled) | bookkeeping share | "
+    "small idle share | mean catch-up batch | max catch-up batch | large prefill tok/escalation "
+    "| preemptions |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def plot(rows: Sequence[Row], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    batches = sorted({r.batch for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches, strict=True):
+        for system in ("naive", "tokencache"):
+            pts = sorted(
+                (r.p, r.stats.modeled_tokens_per_s)
+                for r in rows
+                if r.batch == b and r.system == system
+            )
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=system)
+        for r in rows:
+            if r.batch == b and r.system.endswith("alone"):
+                ax.axhline(
+                    r.stats.modeled_tokens_per_s,
+                    ls="--",
+                    lw=1,
+                    label=r.system,
+                    color="gray" if r.system.startswith("large") else "green",
+                )
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("routing rate p")
+        ax.set_ylabel("decode tok/s (2 devices, modelled)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, under 30 s")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--shared-prompt", type=int, default=256)
+    ap.add_argument("--unique-prompt", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--min-large-batch", type=int, default=4)
+    ap.add_argument("--max-wait", type=int, default=2, help="max wait in small steps")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    ap.add_argument("--plot", default="routing_bench.png", help="PNG path ('' for none)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.quick:  # explicit size flags still win
+        given = set(argv if argv is not None else sys.argv[1:])
+        if "--shared-prompt" not in given:
+            a.shared_prompt = 32
+        if "--unique-prompt" not in given:
+            a.unique_prompt = 8
+        if "--max-new" not in given:
+            a.max_new = 24
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from tqdm import tqdm
+
+    small = random_model(tiny_config(2, 128), seed=1, std=0.1, attention_backend="torch").eval()
+    large = random_model(tiny_config(8, 256), seed=2, std=0.1, attention_backend="torch").eval()
+    vocab = small.config.vocab_size
+    never = ScriptedRouter()
+    jobs: list[tuple[str, float, int]] = []
+    for b in a.batches:
+        jobs += [("small alone", 0.0, b), ("large alone", 0.0, b)]
+        jobs += [(d, p, b) for p in a.rates for d in ("naive", "tokencache")]
+    # Warm-up: the first forwards pay one-off allocator and kernel set-up costs.
+    run_one(
+        small,
+        large,
+        BernoulliRouter(0.2),
+        make_prompts(2, 8, 4, vocab),
+        4,
+        "tokencache",
+        SchedulerConfig(),
+    )
+    rows: list[Row] = []
+    for system, p, b in tqdm(jobs, desc="routing bench", file=sys.stderr):
+        prompts = make_prompts(b, a.shared_prompt, a.unique_prompt, vocab, a.seed)
+        if system == "small alone":
+            st = run_one(small, small, never, prompts, a.max_new, "tokencache", SchedulerConfig(b))
+        elif system == "large alone":
+            st = run_one(large, large, never, prompts, a.max_new, "tokencache", SchedulerConfig(b))
+        else:
+            sched = SchedulerConfig(b, a.min_large_batch, a.max_wait)
+            router = BernoulliRouter(p, seed=a.seed)
+            st = run_one(small, large, router, prompts, a.max_new, system, sched)
+        rows.append(Row(system, p, b, st))
+    print(
+        f"small: {small.config.num_hidden_layers} layers x {small.config.hidden_size}, large: "
+        f"{large.config.num_hidden_layers} layers x {large.config.hidden_size}; prompt "
+        f"{a.shared_prompt} shared + {a.unique_prompt} own tokens, {a.max_new} new tokens; "
+        f"torch threads {torch.get_num_threads()}\n"
+    )
+    print(HEADER)
+    for r in rows:
+        print(fmt_row(r))
+    if a.plot and plot(rows, a.plot):
+        print(f"\nplot: {a.plot}")
+
+
+if __name__ == "__main__":
+    main()

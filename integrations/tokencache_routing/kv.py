@@ -1,0 +1,98 @@
+"""One model's side of the engine: its CausalLM, KVPool and RadixTree, plus per-request KV handles.
+
+A handle knows which KV slots hold a request's first `length` tokens in this model. The
+tokencache handle is a Cursor: parking costs nothing and resuming appends only the new tokens.
+Every tokencache call is timed into `bookkeeping_s` (the bookkeeping share of step time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+import tokencache
+from tokencache_models import CausalLM, KVPool
+
+
+class ModelSide:
+    def __init__(self, name: str, model: CausalLM, pool: KVPool, page_size: int = 1) -> None:
+        self.name = name
+        self.model = model
+        self.pool = pool
+        self.tree = tokencache.RadixTree(page_size=page_size)
+        self.bookkeeping_s = 0.0
+
+    def free(self, slots: np.ndarray | torch.Tensor) -> None:
+        if len(slots):
+            self.pool.free(torch.as_tensor(slots, dtype=torch.int64))
+
+    def evict(self, n: int) -> int:
+        t0 = time.perf_counter()
+        slots = self.tree.evict(n)
+        self.bookkeeping_s += time.perf_counter() - t0
+        self.free(slots)
+        return len(slots)
+
+    def idle_invariant(self) -> bool:
+        """At idle every slot is free or cached in the tree."""
+        return self.pool.available + self.tree.total_size() == self.pool.num_slots
+
+
+class CursorKV:
+    """tokencache handle: a Cursor in this model's tree, kept for the request's whole life."""
+
+    needs_attach_each_time = False
+
+    def __init__(self, side: ModelSide) -> None:
+        self.side = side
+        self.cursor: tokencache.Cursor | None = None
+
+    @property
+    def attached(self) -> bool:
+        return self.cursor is not None
+
+    def attach(self, seq: np.ndarray) -> None:
+        """Pin the longest cached prefix of seq[:-1] (at least one token is left to run)."""
+        t0 = time.perf_counter()
+        m = self.side.tree.match_prefix(seq[:-1])
+        self.cursor = self.side.tree.cursor_at(m.node)
+        self.side.bookkeeping_s += time.perf_counter() - t0
+
+    @property
+    def length(self) -> int:
+        assert self.cursor is not None
+        return self.cursor.length
+
+    def slots(self) -> np.ndarray:
+        assert self.cursor is not None
+        return self.cursor.slots()
+
+    @staticmethod
+    def commit_many(
+        side: ModelSide,
+        handles: Sequence[CursorKV],
+        offsets: np.ndarray,
+        tokens: np.ndarray,
+        slots: np.ndarray,
+    ) -> None:
+        """One native extend for the whole batch; duplicates go back to the allocator."""
+        t0 = time.perf_counter()
+        dedup = side.tree.extend_many([h.cursor for h in handles], offsets, tokens, slots)
+        freed = dedup.freed
+        side.bookkeeping_s += time.perf_counter() - t0
+        side.free(freed)
+
+    def park(self, seq: np.ndarray) -> None:
+        """A request waiting for the other model keeps its cursor: nothing to do."""
+
+    def release(self, seq: np.ndarray) -> None:
+        if self.cursor is None:
+            return
+        t0 = time.perf_counter()
+        tail = self.cursor.release()
+        self.side.bookkeeping_s += time.perf_counter() - t0
+        self.cursor = None
+        self.side.free(tail)

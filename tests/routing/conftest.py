@@ -1,0 +1,31 @@
+"""Tiny random small/large model pair (same vocabulary) for exactness tests on CPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in these tests may download
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "integrations"))  # run from a checkout, not installed
+sys.path.insert(0, str(HERE))  # routing_helpers
+
+
+@pytest.fixture(scope="session")
+def pair() -> Iterator[tuple[Any, Any]]:
+    from routing_helpers import tiny_config
+
+    from tokencache_models import random_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only add overhead
+    small = random_model(tiny_config(1), seed=1, std=0.3, attention_backend="torch").eval()
+    large = random_model(tiny_config(2), seed=2, std=0.3, attention_backend="torch").eval()
+    yield small, large
+    torch.set_num_threads(threads)
