@@ -3,8 +3,10 @@
     python -m tokencache_routing.bench [--quick] [--plot routing_bench.png]
 
 Tiny random models on CPU by default. For each routing rate p and batch size it reports decode
-tokens/s measured on this machine (the two models run in turn on one CPU), tokens/s modelled on
-two devices (per step: small and large forwards overlap without a barrier, add up with one),
+tokens/s measured on this machine (the event loop runs the two models in turn on one CPU;
+"tokencache (threaded)" runs one worker thread per model, so on two or more cores they really
+overlap), tokens/s modelled on two devices for the event loop (per step: small and large
+forwards overlap without a barrier, add up with one; "-" for the threaded mode, which is measured),
 the bookkeeping share (time in tokencache calls over time in calls plus forwards), the small
 model's idle share (modelled), catch-up batch sizes and tokens the large model prefills per
 escalation. The small model alone and the large model alone are the bounds.
@@ -63,12 +65,24 @@ def run_one(
     max_new: int,
     dispatch: str,
     sched: SchedulerConfig,
+    mode: str = "events",
 ) -> Stats:
     slots = len(prompts) * (len(prompts[0]) + max_new) + 64
     eng = RoutedEngine(
-        small, large, router, num_slots=slots, dispatch=dispatch, scheduler=sched, clock="measured"
+        small,
+        large,
+        router,
+        num_slots=slots,
+        dispatch=dispatch,
+        scheduler=sched,
+        clock="measured",
+        mode=mode,
     )
     return eng.generate(prompts, max_new).stats
+
+
+THREADED = "tokencache (threaded)"
+SYSTEMS = ("naive", "tokencache", THREADED)
 
 
 def fmt_row(r: Row) -> str:
@@ -77,8 +91,9 @@ def fmt_row(r: Row) -> str:
     mean_b = f"{statistics.mean(sizes):.1f}" if sizes else "-"
     per_esc = f"{sum(s.catchup_tokens) / s.escalations:.1f}" if s.escalations else "-"
     p = "-" if r.system.endswith("alone") else f"{r.p:.2f}"
+    modeled = "-" if r.system == THREADED else f"{s.modeled_tokens_per_s:.0f}"
     return (
-        f"| {r.system} | {p} | {r.batch} | {s.tokens_per_s:.0f} | {s.modeled_tokens_per_s:.0f} | "
+        f"| {r.system} | {p} | {r.batch} | {s.tokens_per_s:.0f} | {modeled} | "
         f"{100 * s.bookkeeping_share:.2f}% | {100 * s.small_idle_share:.1f}% | {mean_b} | "
         f"{max(sizes) if sizes else '-'} | {per_esc} | {s.preemptions} |"
     )
@@ -102,13 +117,14 @@ def plot(rows: Sequence[Row], path: str) -> bool:
     batches = sorted({r.batch for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
     for ax, b in zip(axes[0], batches, strict=True):
-        for system in ("naive", "tokencache"):
-            pts = sorted(
-                (r.p, r.stats.modeled_tokens_per_s)
+        for system in SYSTEMS:
+            pts = sorted(  # the threaded mode is measured for real, the event loop modelled
+                (r.p, r.stats.tokens_per_s if system == THREADED else r.stats.modeled_tokens_per_s)
                 for r in rows
                 if r.batch == b and r.system == system
             )
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=system)
+            label = f"{system}, measured" if system == THREADED else system
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
         for r in rows:
             if r.batch == b and r.system.endswith("alone"):
                 ax.axhline(
@@ -120,7 +136,7 @@ def plot(rows: Sequence[Row], path: str) -> bool:
                 )
         ax.set_title(f"batch {b}")
         ax.set_xlabel("routing rate p")
-        ax.set_ylabel("decode tok/s (2 devices, modelled)")
+        ax.set_ylabel("decode tok/s (2 devices)")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -138,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--min-large-batch", type=int, default=4)
     ap.add_argument("--max-wait", type=int, default=2, help="max wait in small steps")
+    ap.add_argument(
+        "--max-wait-ms", type=float, default=2.0, help="threaded mode: max wait in milliseconds"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     ap.add_argument("--plot", default="routing_bench.png", help="PNG path ('' for none)")
     ap.add_argument("--seed", type=int, default=0)
@@ -161,17 +180,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     jobs: list[tuple[str, float, int]] = []
     for b in a.batches:
         jobs += [("small alone", 0.0, b), ("large alone", 0.0, b)]
-        jobs += [(d, p, b) for p in a.rates for d in ("naive", "tokencache")]
+        jobs += [(d, p, b) for p in a.rates for d in SYSTEMS]
     # Warm-up: the first forwards pay one-off allocator and kernel set-up costs.
-    run_one(
-        small,
-        large,
-        BernoulliRouter(0.2),
-        make_prompts(2, 8, 4, vocab),
-        4,
-        "tokencache",
-        SchedulerConfig(),
-    )
+    for mode in ("events", "threaded"):
+        warm = make_prompts(2, 8, 4, vocab)
+        run_one(small, large, BernoulliRouter(0.2), warm, 4, "tokencache", SchedulerConfig(), mode)
     rows: list[Row] = []
     for system, p, b in tqdm(jobs, desc="routing bench", file=sys.stderr):
         prompts = make_prompts(b, a.shared_prompt, a.unique_prompt, vocab, a.seed)
@@ -180,9 +193,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif system == "large alone":
             st = run_one(large, large, never, prompts, a.max_new, "tokencache", SchedulerConfig(b))
         else:
-            sched = SchedulerConfig(b, a.min_large_batch, a.max_wait)
+            sched = SchedulerConfig(
+                b, a.min_large_batch, a.max_wait, max_wait_s=a.max_wait_ms / 1e3
+            )
             router = BernoulliRouter(p, seed=a.seed)
-            st = run_one(small, large, router, prompts, a.max_new, system, sched)
+            mode = "threaded" if system == THREADED else "events"
+            dispatch = "tokencache" if system == THREADED else system
+            st = run_one(small, large, router, prompts, a.max_new, dispatch, sched, mode)
         rows.append(Row(system, p, b, st))
     print(
         f"small: {small.config.num_hidden_layers} layers x {small.config.hidden_size}, large: "

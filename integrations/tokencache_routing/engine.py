@@ -16,18 +16,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from tokencache_models import CausalLM, ForwardBatch, ForwardOutput, KVPool
+from tokencache_models import CausalLM, ForwardOutput, KVPool
 
+from .batch import Request, attach_all, overlaps_prefill, run_forward, tokens_needed
 from .kv import CursorKV, ModelSide
 from .naive import NaiveKV
 from .routers import Router, RouterFeatures
 from .scheduler import SchedulerConfig
+from .workers import run_threaded
 
 SMALL, LARGE = 0, 1
-KVHandle = CursorKV | NaiveKV
+_Request = Request  # the old private name
 
 
 @dataclass
@@ -40,6 +41,8 @@ class Stats:
     small_forward_s: float = 0.0
     large_forward_s: float = 0.0
     bookkeeping_s: float = 0.0  # inside tokencache calls (tree and cursor operations)
+    small_tokens: int = 0  # tokens the small model computed (prefills, catch-ups and decodes)
+    held_back: int = 0  # admissions delayed a step so a shared prefix is prefilled once
     modeled_s: float = 0.0  # two devices: the models overlap unless there is a barrier
     small_idle_s: float = 0.0  # modelled time the small model waits for the large one
     catchup_batch_sizes: list[int] = field(default_factory=list)
@@ -71,25 +74,6 @@ class GenerateResult:
     stats: Stats
 
 
-class _Request:
-    def __init__(self, rid: int, prompt: Sequence[int], max_new_tokens: int) -> None:
-        if len(prompt) == 0:
-            raise ValueError("prompts must not be empty")
-        self.rid = rid
-        self.prompt_len = len(prompt)
-        self.seq = np.empty(len(prompt) + max_new_tokens, dtype=np.int64)
-        self.seq[: len(prompt)] = np.asarray(prompt, dtype=np.int64)
-        self.n = len(prompt)
-        self.models: list[int] = []
-        self.kv: list[KVHandle] = []
-        self.parked_at = 0
-        self.admit_order = 0
-
-    @property
-    def num_generated(self) -> int:
-        return self.n - self.prompt_len
-
-
 class RoutedEngine:
     def __init__(
         self,
@@ -105,9 +89,17 @@ class RoutedEngine:
         page_size: int = 1,
         clock: str = "steps",
         large_step_cost: float = 1.0,
+        mode: str = "events",
     ) -> None:
         if dispatch not in ("tokencache", "naive"):
             raise ValueError("dispatch must be 'tokencache' or 'naive'")
+        if mode not in ("events", "threaded"):
+            raise ValueError("mode must be 'events' (deterministic) or 'threaded'")
+        if mode == "threaded" and dispatch != "tokencache":
+            raise ValueError("mode='threaded' needs dispatch='tokencache' (naive has a barrier)")
+        # mode="threaded": one worker thread per model (workers.py), really overlapping; the
+        # event loop stays the default because its schedules are reproducible.
+        self.mode = mode
         if small.config.vocab_size != large.config.vocab_size:
             raise ValueError("small and large models must share a vocabulary")
         if clock not in ("steps", "measured"):
@@ -175,6 +167,12 @@ class RoutedEngine:
         self._admitted = 0
         t_start = time.perf_counter()
         if max_new_tokens <= 0:
+            return
+        if self.mode == "threaded":
+            yield from run_threaded(self, reqs, max_new_tokens, st)
+            st.wall_s = time.perf_counter() - t_start
+            st.bookkeeping_s = sum(s.bookkeeping_s for s in self.sides)
+            st.modeled_s = st.wall_s  # real overlap: the measured time is the two-device time
             return
         # Two device clocks. A catch-up batch is computed when it launches (the CPU runs the
         # models in turn) but its requests rejoin the small side only once the large model's
@@ -244,7 +242,13 @@ class RoutedEngine:
             and len(self._running) + len(self._parked) + len(self._inflight)
             < self.sched.max_running
         ):
-            r = self._waiting.popleft()
+            r = self._waiting[0]
+            if self.dispatch == "tokencache" and overlaps_prefill(
+                r, self._running, SMALL, self.small.tree.page_size
+            ):
+                self.stats.held_back += 1
+                break
+            self._waiting.popleft()
             r.kv = [self._handle_cls(self.small), self._handle_cls(self.large)]
             r.admit_order = self._admitted
             self._admitted += 1
@@ -267,7 +271,7 @@ class RoutedEngine:
     def _make_room(self, side: ModelSide, batch: list[_Request], kind: int) -> None:
         """Evict cached KV, then preempt the newest requests, until the batch's tokens fit."""
         while batch:
-            need = sum(r.n - r.kv[kind].length for r in batch)
+            need = tokens_needed(batch, kind)
             if side.pool.available >= need:
                 return
             side.evict(need - side.pool.available)
@@ -288,42 +292,11 @@ class RoutedEngine:
     def _forward(
         self, side: ModelSide, batch: list[_Request], kind: int
     ) -> tuple[ForwardOutput, float, int] | None:
-        for r in batch:
-            h = r.kv[kind]
-            if not h.attached:
-                h.attach(r.seq[: r.n])
+        attach_all(batch, kind)
         self._make_room(side, batch, kind)
         if not batch:
             return None
-        handles = [r.kv[kind] for r in batch]
-        starts = np.fromiter((h.length for h in handles), np.int64, len(batch))
-        ends = np.fromiter((r.n for r in batch), np.int64, len(batch))
-        q_lens = ends - starts
-        q_off = np.zeros(len(batch) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=q_off[1:])
-        tokens = np.concatenate([r.seq[s:e] for r, s, e in zip(batch, starts, ends, strict=True)])
-        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        new_slots = side.pool.alloc(int(q_off[-1])).numpy()
-        prefix = [h.slots() for h in handles]
-        parts: list[np.ndarray] = []
-        for i, p in enumerate(prefix):  # each request: its prefix slots, then its new slots
-            parts += (p, new_slots[q_off[i] : q_off[i + 1]])
-        kv = np.concatenate(parts)
-        kv_off = np.zeros(len(batch) + 1, dtype=np.int64)
-        np.cumsum(ends, out=kv_off[1:])
-        fb = ForwardBatch(
-            token_ids=torch.from_numpy(tokens),
-            positions=torch.from_numpy(positions),
-            out_slots=torch.from_numpy(new_slots),
-            q_offsets=torch.from_numpy(q_off),
-            kv_slots=torch.from_numpy(kv),
-            kv_offsets=torch.from_numpy(kv_off),
-        )
-        t0 = time.perf_counter()
-        out = side.model(fb, side.pool)
-        dt = time.perf_counter() - t0
-        type(handles[0]).commit_many(side, handles, q_off, tokens, new_slots)  # type: ignore[arg-type]
-        return out, dt, int(q_off[-1])
+        return run_forward(side, batch, kind)
 
     def _commit_token(
         self, r: _Request, token: int, model: int, events: list[tuple[int, int, int]]
@@ -346,7 +319,8 @@ class RoutedEngine:
         res = self._forward(self.small, batch, SMALL) if batch else None
         if res is None:
             return 0.0
-        out, dt, _ = res
+        out, dt, ntok = res
+        self.stats.small_tokens += ntok
         self.stats.steps += 1
         self.stats.small_forward_s += dt
         tok = out.logits.argmax(-1)

@@ -42,13 +42,20 @@ class ModelSide:
 
 
 class CursorKV:
-    """tokencache handle: a Cursor in this model's tree, kept for the request's whole life."""
+    """tokencache handle: a Cursor in this model's tree, kept for the request's whole life.
+
+    The request's slot row (KV slots of its first `length` tokens) is kept here incrementally:
+    filled from the match at admission, appended after each extend and patched where the tree
+    already held a token (Dedup), so a step never copies the whole slot list out of the tree.
+    """
 
     needs_attach_each_time = False
 
     def __init__(self, side: ModelSide) -> None:
         self.side = side
         self.cursor: tokencache.Cursor | None = None
+        self._row = np.empty(0, dtype=np.int64)
+        self._n = 0
 
     @property
     def attached(self) -> bool:
@@ -59,16 +66,28 @@ class CursorKV:
         t0 = time.perf_counter()
         m = self.side.tree.match_prefix(seq[:-1])
         self.cursor = self.side.tree.cursor_at(m.node)
+        matched = m.slots
         self.side.bookkeeping_s += time.perf_counter() - t0
+        self._row = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
+        self._n = len(matched)
+        self._row[: self._n] = matched
 
     @property
     def length(self) -> int:
-        assert self.cursor is not None
-        return self.cursor.length
+        return self._n
 
     def slots(self) -> np.ndarray:
-        assert self.cursor is not None
-        return self.cursor.slots()
+        """A view of the kept row (no copy out of the tree)."""
+        return self._row[: self._n]
+
+    def _append(self, slots: np.ndarray) -> None:
+        end = self._n + len(slots)
+        if end > len(self._row):
+            grown = np.empty(2 * end, dtype=np.int64)
+            grown[: self._n] = self._row[: self._n]
+            self._row = grown
+        self._row[self._n : end] = slots
+        self._n = end
 
     @staticmethod
     def commit_many(
@@ -78,12 +97,19 @@ class CursorKV:
         tokens: np.ndarray,
         slots: np.ndarray,
     ) -> None:
-        """One native extend for the whole batch; duplicates go back to the allocator."""
+        """One native extend for the whole batch; duplicates go back to the allocator and the
+        rows point at the tree's slots for them instead."""
         t0 = time.perf_counter()
         dedup = side.tree.extend_many([h.cursor for h in handles], offsets, tokens, slots)
-        freed = dedup.freed
         side.bookkeeping_s += time.perf_counter() - t0
-        side.free(freed)
+        for i, h in enumerate(handles):
+            h._append(slots[offsets[i] : offsets[i + 1]])
+        if len(dedup):
+            req, pos, tree_slots = dedup.request, dedup.positions, dedup.slots
+            for i in np.unique(req):  # one vectorized patch per request, not per token
+                sel = req == i
+                handles[i]._row[pos[sel]] = tree_slots[sel]
+            side.free(dedup.freed)
 
     def park(self, seq: np.ndarray) -> None:
         """A request waiting for the other model keeps its cursor: nothing to do."""
@@ -95,4 +121,5 @@ class CursorKV:
         tail = self.cursor.release()
         self.side.bookkeeping_s += time.perf_counter() - t0
         self.cursor = None
+        self._n = 0
         self.side.free(tail)

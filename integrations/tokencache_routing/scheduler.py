@@ -10,12 +10,14 @@ class SchedulerConfig:
     """max_running: requests admitted at once (decoding or parked). A catch-up batch for the
     large model launches once min_large_batch requests are parked, or the oldest has waited
     max_wait_steps small steps, or the small model has nothing else to run. The naive dispatcher
-    ignores the delay: a synchronous barrier sends every parked request each step."""
+    ignores the delay: a synchronous barrier sends every parked request each step.
+    In the threaded mode the delay is wall-clock: max_wait_s seconds instead of max_wait_steps."""
 
     max_running: int = 32
     min_large_batch: int = 1
     max_wait_steps: int = 0
     max_large_batch: int | None = None
+    max_wait_s: float = 0.0
 
     def launch_large(self, num_parked: int, oldest_wait: int, small_has_work: bool) -> bool:
         if num_parked == 0:

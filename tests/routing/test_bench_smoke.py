@@ -29,7 +29,13 @@ def test_bench_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     systems = {r.split("|")[1].strip() for r in rows[1:]}
-    assert systems == {"small alone", "large alone", "naive", "tokencache"}
+    assert systems == {
+        "small alone",
+        "large alone",
+        "naive",
+        "tokencache",
+        "tokencache (threaded)",
+    }
     try:
         import matplotlib  # noqa: F401
     except ImportError:
