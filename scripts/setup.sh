@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# FRESH_VENV=1 ignores what the machine already has (a fresh-machine rehearsal).
 if [ ! -x .venv/bin/python ]; then
-  python3 -m venv --system-site-packages .venv
+  if [ "${FRESH_VENV:-0}" = 1 ]; then python3 -m venv .venv; else python3 -m venv --system-site-packages .venv; fi
 fi
 PY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
