@@ -1,13 +1,21 @@
-"""Routed decode benchmark: naive dispatcher vs tokencache cursors, in one harness.
+"""Routed decode benchmark: naive dispatchers vs tokencache cursors, in one harness.
 
     python -m tokencache_routing.bench [--quick] [--plot routing_bench.png]
+        [--dispatches naive naive-sglang tokencache threaded] [--no-alone]
+    python -m tokencache_routing.bench --shared-prompt 2000 --max-new 48 --batches 8 32 \
+        --rates 0.1 --no-alone   # long context
+
+Dispatches: "naive" (re-admission through tokencache's RadixTree), "naive-sglang" (the same
+through SGLang's own RadixCache; needs sglang importable), "tokencache" (cursors, event loop),
+"threaded" (cursors, one worker thread per model).
 
 Tiny random models on CPU by default. For each routing rate p and batch size it reports decode
 tokens/s measured on this machine (the event loop runs the two models in turn on one CPU;
 "tokencache (threaded)" runs one worker thread per model, so on two or more cores they really
 overlap), tokens/s modelled on two devices for the event loop (per step: small and large
 forwards overlap without a barrier, add up with one; "-" for the threaded mode, which is measured),
-the bookkeeping share (time in tokencache calls over time in calls plus forwards), the small
+the bookkeeping share (time in tokencache calls, or SGLang RadixCache calls for naive-sglang,
+over time in calls plus forwards) and bookkeeping microseconds per decoded token, the small
 model's idle share (modelled), catch-up batch sizes and tokens the large model prefills per
 escalation. The small model alone and the large model alone are the bounds.
 """
@@ -29,7 +37,7 @@ from .routers import BernoulliRouter, Router, ScriptedRouter
 from .scheduler import SchedulerConfig
 
 
-def tiny_config(layers: int, hidden: int) -> ModelConfig:
+def tiny_config(layers: int, hidden: int, max_positions: int = 4096) -> ModelConfig:
     return ModelConfig(
         model_type="llama",
         vocab_size=512,
@@ -39,7 +47,7 @@ def tiny_config(layers: int, hidden: int) -> ModelConfig:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
     )
 
 
@@ -82,7 +90,14 @@ def run_one(
 
 
 THREADED = "tokencache (threaded)"
-SYSTEMS = ("naive", "tokencache", THREADED)
+# --dispatches names -> row names; "naive-sglang" drives SGLang's RadixCache (naive_sglang.py).
+DISPATCH_SYSTEMS = {
+    "naive": "naive",
+    "naive-sglang": "naive-sglang",
+    "tokencache": "tokencache",
+    "threaded": THREADED,
+}
+SYSTEMS = tuple(DISPATCH_SYSTEMS.values())
 
 
 def fmt_row(r: Row) -> str:
@@ -92,17 +107,20 @@ def fmt_row(r: Row) -> str:
     per_esc = f"{sum(s.catchup_tokens) / s.escalations:.1f}" if s.escalations else "-"
     p = "-" if r.system.endswith("alone") else f"{r.p:.2f}"
     modeled = "-" if r.system == THREADED else f"{s.modeled_tokens_per_s:.0f}"
+    per_tok = f"{1e6 * s.bookkeeping_s / s.tokens:.1f}" if s.tokens else "-"
     return (
         f"| {r.system} | {p} | {r.batch} | {s.tokens_per_s:.0f} | {modeled} | "
-        f"{100 * s.bookkeeping_share:.2f}% | {100 * s.small_idle_share:.1f}% | {mean_b} | "
+        f"{100 * s.bookkeeping_share:.2f}% | {per_tok} | {100 * s.small_idle_share:.1f}% | "
+        f"{mean_b} | "
         f"{max(sizes) if sizes else '-'} | {per_esc} | {s.preemptions} |"
     )
 
 
 HEADER = (
     "| system | p | batch | tok/s (this CPU) | tok/s (2 devices, modelled) | bookkeeping share | "
-    "small idle share | mean catch-up batch | max catch-up batch | large prefill tok/escalation "
-    "| preemptions |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "bookkeeping us/token | small idle share | mean catch-up batch | max catch-up batch | "
+    "large prefill tok/escalation "
+    "| preemptions |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -117,7 +135,7 @@ def plot(rows: Sequence[Row], path: str) -> bool:
     batches = sorted({r.batch for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
     for ax, b in zip(axes[0], batches, strict=True):
-        for system in SYSTEMS:
+        for system in [s for s in SYSTEMS if any(r.system == s for r in rows)]:
             pts = sorted(  # the threaded mode is measured for real, the event loop modelled
                 (r.p, r.stats.tokens_per_s if system == THREADED else r.stats.modeled_tokens_per_s)
                 for r in rows
@@ -160,6 +178,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     ap.add_argument("--plot", default="routing_bench.png", help="PNG path ('' for none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--dispatches",
+        nargs="+",
+        choices=list(DISPATCH_SYSTEMS),
+        default=None,
+        help="systems to run (default: all four; --quick leaves out naive-sglang, whose "
+        "sglang import alone takes several seconds)",
+    )
+    ap.add_argument("--no-alone", action="store_true", help="skip the small/large-alone bounds")
     a = ap.parse_args(argv)
     if a.quick:  # explicit size flags still win
         given = set(argv if argv is not None else sys.argv[1:])
@@ -169,22 +196,32 @@ def main(argv: Sequence[str] | None = None) -> None:
             a.unique_prompt = 8
         if "--max-new" not in given:
             a.max_new = 24
+    if a.dispatches is None:
+        a.dispatches = [d for d in DISPATCH_SYSTEMS if not (a.quick and d == "naive-sglang")]
     if a.threads:
         torch.set_num_threads(a.threads)
     from tqdm import tqdm
 
-    small = random_model(tiny_config(2, 128), seed=1, std=0.1, attention_backend="torch").eval()
-    large = random_model(tiny_config(8, 256), seed=2, std=0.1, attention_backend="torch").eval()
+    positions = max(4096, a.shared_prompt + a.unique_prompt + a.max_new + 8)
+    cfg_small, cfg_large = tiny_config(2, 128, positions), tiny_config(8, 256, positions)
+    small = random_model(cfg_small, seed=1, std=0.1, attention_backend="torch").eval()
+    large = random_model(cfg_large, seed=2, std=0.1, attention_backend="torch").eval()
     vocab = small.config.vocab_size
     never = ScriptedRouter()
     jobs: list[tuple[str, float, int]] = []
+    systems = [DISPATCH_SYSTEMS[d] for d in dict.fromkeys(a.dispatches)]
     for b in a.batches:
-        jobs += [("small alone", 0.0, b), ("large alone", 0.0, b)]
-        jobs += [(d, p, b) for p in a.rates for d in SYSTEMS]
-    # Warm-up: the first forwards pay one-off allocator and kernel set-up costs.
-    for mode in ("events", "threaded"):
-        warm = make_prompts(2, 8, 4, vocab)
-        run_one(small, large, BernoulliRouter(0.2), warm, 4, "tokencache", SchedulerConfig(), mode)
+        if not a.no_alone:
+            jobs += [("small alone", 0.0, b), ("large alone", 0.0, b)]
+        jobs += [(d, p, b) for p in a.rates for d in systems]
+    # Warm-up: the first forwards pay one-off allocator and kernel set-up costs (and the
+    # naive-sglang dispatch imports sglang).
+    warm = make_prompts(2, 8, 4, vocab)
+    warmups = [("tokencache", "events"), ("tokencache", "threaded")]
+    if "naive-sglang" in systems:
+        warmups.append(("naive-sglang", "events"))
+    for dispatch, mode in warmups:
+        run_one(small, large, BernoulliRouter(0.2), warm, 4, dispatch, SchedulerConfig(), mode)
     rows: list[Row] = []
     for system, p, b in tqdm(jobs, desc="routing bench", file=sys.stderr):
         prompts = make_prompts(b, a.shared_prompt, a.unique_prompt, vocab, a.seed)

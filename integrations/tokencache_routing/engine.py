@@ -4,7 +4,8 @@ Per request, one KV handle per model (a tokencache Cursor, or the naive SGLang-s
 Each loop iteration runs one small-model step over the requests it holds and, when the delayed
 batching policy says so, one large-model catch-up batch over parked requests. With
 dispatch="tokencache" the two run side by side (no barrier: the small model keeps decoding the
-others); with dispatch="naive" every step waits for the large model (synchronous barrier).
+others); with dispatch="naive" or "naive-sglang" every step waits for the large model
+(synchronous barrier).
 Time on two devices is modelled from the measured forward times (CPU runs them in turn).
 """
 
@@ -28,6 +29,8 @@ from .scheduler import SchedulerConfig
 from .workers import run_threaded
 
 SMALL, LARGE = 0, 1
+# "naive-sglang": the naive protocol through SGLang's own RadixCache (naive_sglang.py).
+DISPATCHES = ("tokencache", "naive", "naive-sglang")
 _Request = Request  # the old private name
 
 
@@ -91,8 +94,8 @@ class RoutedEngine:
         large_step_cost: float = 1.0,
         mode: str = "events",
     ) -> None:
-        if dispatch not in ("tokencache", "naive"):
-            raise ValueError("dispatch must be 'tokencache' or 'naive'")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {', '.join(map(repr, DISPATCHES))}")
         if mode not in ("events", "threaded"):
             raise ValueError("mode must be 'events' (deterministic) or 'threaded'")
         if mode == "threaded" and dispatch != "tokencache":
@@ -114,11 +117,16 @@ class RoutedEngine:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         n_large = large_num_slots or num_slots
+        side_cls: type[ModelSide] = ModelSide
+        self._handle_cls: type = CursorKV if dispatch == "tokencache" else NaiveKV
+        if dispatch == "naive-sglang":
+            from .naive_sglang import NaiveSGLangKV, SGLangSide  # imports sglang
+
+            side_cls, self._handle_cls = SGLangSide, NaiveSGLangKV
         self.sides = (
-            ModelSide("small", small, small.make_kv_pool(num_slots), page_size),
-            ModelSide("large", large, large.make_kv_pool(n_large), page_size),
+            side_cls("small", small, small.make_kv_pool(num_slots), page_size),
+            side_cls("large", large, large.make_kv_pool(n_large), page_size),
         )
-        self._handle_cls = CursorKV if dispatch == "tokencache" else NaiveKV
 
     @property
     def small(self) -> ModelSide:
@@ -184,7 +192,7 @@ class RoutedEngine:
                 self._inflight = []
             self._admit()
             events: list[tuple[int, int, int]] = []
-            if self.dispatch == "naive":
+            if self.dispatch != "tokencache":  # both naive dispatches
                 if self._parked:  # synchronous barrier: the small model waits for every catch-up
                     self._large_batch, self._parked = self._parked, []
                     d_large = self._cost(self._large_step, events, LARGE)
