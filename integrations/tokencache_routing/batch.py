@@ -29,6 +29,7 @@ class Request:
         self.kv: list[KVHandle] = []
         self.parked_at: float = 0
         self.admit_order = 0
+        self.held_catchup = False  # held out of a catch-up batch once: goes in the next one
 
     @property
     def num_generated(self) -> int:
@@ -49,6 +50,32 @@ def overlaps_prefill(r: Request, running: Sequence[Request], kind: int, page_siz
         if (diff[0] if len(diff) else m) >= page_size:
             return True
     return False
+
+
+def take_catchup_batch(
+    parked: Sequence[Request], cap: int, kind: int, page_size: int
+) -> tuple[list[Request], list[Request], list[Request]]:
+    """Splits parked requests into (catch-up batch, left parked, held back). A request
+    making its first forward in this model (handle not attached) that shares at least a page of
+    prefix with another one being attached in this batch is held for the next batch, where it
+    matches the first one's KV in the tree instead of prefilling the prefix again. A request
+    held once is never held again (no starvation); parked order is kept."""
+    batch: list[Request] = []
+    rest: list[Request] = []
+    held: list[Request] = []
+    for r in parked:
+        if len(batch) >= cap:
+            rest.append(r)
+        elif (
+            r.held_catchup or r.kv[kind].attached or not overlaps_prefill(r, batch, kind, page_size)
+        ):
+            r.held_catchup = False
+            batch.append(r)
+        else:
+            r.held_catchup = True
+            rest.append(r)
+            held.append(r)
+    return batch, rest, held
 
 
 def attach_all(batch: Sequence[Request], kind: int) -> None:

@@ -21,7 +21,14 @@ import torch
 
 from tokencache_models import CausalLM, ForwardOutput, KVPool
 
-from .batch import Request, attach_all, overlaps_prefill, run_forward, tokens_needed
+from .batch import (
+    Request,
+    attach_all,
+    overlaps_prefill,
+    run_forward,
+    take_catchup_batch,
+    tokens_needed,
+)
 from .kv import CursorKV, ModelSide
 from .naive import NaiveKV
 from .routers import Router, RouterFeatures
@@ -46,6 +53,7 @@ class Stats:
     bookkeeping_s: float = 0.0  # inside tokencache calls (tree and cursor operations)
     small_tokens: int = 0  # tokens the small model computed (prefills, catch-ups and decodes)
     held_back: int = 0  # admissions delayed a step so a shared prefix is prefilled once
+    large_held_back: int = 0  # first catch-ups held a batch so a shared prefix is prefilled once
     modeled_s: float = 0.0  # two devices: the models overlap unless there is a barrier
     small_idle_s: float = 0.0  # modelled time the small model waits for the large one
     catchup_batch_sizes: list[int] = field(default_factory=list)
@@ -208,7 +216,10 @@ class RoutedEngine:
                     len(self._parked), wait, has_work
                 ):
                     cap = self.sched.max_large_batch or len(self._parked)
-                    self._large_batch, self._parked = self._parked[:cap], self._parked[cap:]
+                    self._large_batch, self._parked, held = take_catchup_batch(
+                        self._parked, cap, LARGE, self.large.tree.page_size
+                    )
+                    st.large_held_back += len(held)
                     returning = list(self._large_batch)
                     d_large = self._cost(self._large_step, events, LARGE)
                     done_at = t_large = max(t_large, t_small) + d_large

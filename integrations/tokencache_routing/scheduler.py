@@ -11,7 +11,9 @@ class SchedulerConfig:
     large model launches once min_large_batch requests are parked, or the oldest has waited
     max_wait_steps small steps, or the small model has nothing else to run. The naive dispatcher
     ignores the delay: a synchronous barrier sends every parked request each step.
-    In the threaded mode the delay is wall-clock: max_wait_s seconds instead of max_wait_steps."""
+    In the threaded mode the delay is wall-clock: max_wait_s seconds instead of max_wait_steps.
+    A request's first catch-up that shares a prompt page with another first catch-up in the
+    same batch is held for the next batch, never longer (batch.take_catchup_batch)."""
 
     max_running: int = 32
     min_large_batch: int = 1

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .batch import Request, attach_all, overlaps_prefill, run_forward, tokens_needed
+from .batch import (
+    Request,
+    attach_all,
+    overlaps_prefill,
+    run_forward,
+    take_catchup_batch,
+    tokens_needed,
+)
 from .kv import CursorKV, ModelSide
 from .routers import RouterFeatures
 
@@ -283,10 +290,13 @@ class LargeWorker(_Worker):
     def step(self) -> bool:
         st = self.sh.st
         cap = self.sh.eng.sched.max_large_batch or len(self.pending)
-        batch = self.pending[:cap]
+        batch, _, held = take_catchup_batch(self.pending, cap, LARGE, self.side.tree.page_size)
         attach_all(batch, LARGE)
         if not self.make_room(batch, self.pending, LARGE):
+            for r in held:  # not launched: they were not held behind a computed prefill
+                r.held_catchup = False
             return False
+        st.large_held_back += len(held)
         self.pending = [r for r in self.pending if r not in batch]
         out, dt, ntok = run_forward(self.side, batch, LARGE)
         st.large_forward_s += dt

@@ -53,6 +53,10 @@ def test_rows_equal_cursor_slots(
     kw = {"num_slots": num_slots, "scheduler": sched, "page_size": page_size}
     _, res = check(pair, router, bernoulli_decide(router), prompts, 12, **kw)
     checked, patched = checked_rows
-    assert checked > 0 and patched > 0  # shared prefixes really came back as Dedup patches
+    assert checked > 0
+    if num_slots > 100:  # shared prefixes really came back as Dedup patches
+        # (under memory pressure the only duplicates here were first catch-ups of one shared
+        # prompt in one large batch, which the catch-up hold-back now avoids)
+        assert patched > 0
     if num_slots < 100:
         assert res.stats.preemptions > 0

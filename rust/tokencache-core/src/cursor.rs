@@ -98,6 +98,14 @@ impl RadixTree {
             }
             c.check(&inner)?;
         }
+        if self.shared.config.strict_pages {
+            // Check every cursor's pages before changing any, so a refusal changes nothing.
+            let page = inner.page();
+            for (i, c) in cursors.iter().enumerate() {
+                let all = [&c.pending_slots[..], &slots[offsets[i]..offsets[i + 1]]].concat();
+                validate_pages(&inner.config, &all[..all.len() / page * page])?;
+            }
+        }
         let mut dedup = Dedup::default();
         for (i, c) in cursors.iter_mut().enumerate() {
             let (a, b) = (offsets[i], offsets[i + 1]);

@@ -333,3 +333,26 @@ fn cursor_touch_refreshes_the_whole_path_lazily() {
     assert_eq!(t.evict(1), vec![50, 51]);
     t.check_invariants().unwrap();
 }
+
+#[test]
+fn strict_batch_refusal_changes_nothing() {
+    let t = RadixTree::new(TreeConfig {
+        page_size: 2,
+        strict_pages: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut a = t.cursor(None);
+    let mut b = t.cursor(None);
+    let before = t.pretty_print();
+    // a's page is fine, b's is not: nothing may change, a included
+    let r = t.extend_many(
+        &mut [&mut a, &mut b],
+        &[0, 2, 4],
+        &[1, 2, 3, 4],
+        &[4, 5, 9, 7],
+    );
+    assert!(matches!(r, Err(Error::PageAlignment(_))));
+    assert_eq!((a.length(), b.length()), (0, 0));
+    assert_eq!(t.pretty_print(), before);
+}
