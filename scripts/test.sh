@@ -16,11 +16,10 @@ ruff check .
 ruff format --check .
 mypy
 
+echo "== main job's cache demo and the benchmark command, quick mode"
+python -m tokencache --lengths 512 2048 --rounds 2
+python -m tokencache_bench --quick --out bench-out/quick
+
+# Last, so that pytest's summary line closes the output.
 echo "== python: tests and benchmark smoke tests"
 python -m pytest -q
-
-echo "== main job and benchmark command, quick mode"
-python -m tokencache --lengths 512 2048 --rounds 2
-if python -c "import tokencache_bench" 2>/dev/null; then
-  python -m tokencache_bench --quick --out bench-out/quick
-fi
