@@ -30,6 +30,7 @@ class Request:
         self.parked_at: float = 0
         self.admit_order = 0
         self.held_catchup = False  # held out of a catch-up batch once: goes in the next one
+        self.aborted = False  # RoutedEngine.abort: dropped by whoever holds it next
 
     @property
     def num_generated(self) -> int:

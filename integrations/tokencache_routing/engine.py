@@ -11,6 +11,7 @@ Time on two devices is modelled from the measured forward times (CPU runs them i
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +48,7 @@ class Stats:
     tokens: int = 0
     escalations: int = 0
     preemptions: int = 0
+    aborted: int = 0  # requests stopped by RoutedEngine.abort while the engine still held them
     wall_s: float = 0.0
     small_forward_s: float = 0.0
     large_forward_s: float = 0.0
@@ -83,6 +85,13 @@ class GenerateResult:
     models: list[list[int]]  # per token: 0 = small model, 1 = large model
     texts: list[str] | None
     stats: Stats
+    # per request: "length" (max_new_tokens), "stop" (eos) or "abort" (RoutedEngine.abort; its
+    # tokens are those delivered before the abort)
+    finished_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def aborted(self) -> list[bool]:
+        return [f == "abort" for f in self.finished_reasons]
 
 
 class RoutedEngine:
@@ -135,6 +144,14 @@ class RoutedEngine:
             side_cls("small", small, small.make_kv_pool(num_slots), page_size),
             side_cls("large", large, large.make_kv_pool(n_large), page_size),
         )
+        # abort(): the current stream's requests; what the caller has been given or cut off
+        self._abort_lock = threading.Lock()
+        self._reqs: list[Request] | None = None
+        self._aborted: set[int] = set()  # aborted by the caller: no further events
+        self._done: set[int] = set()  # last token delivered to the caller
+        self._delivered: list[int] = []
+        self._abort_queue: list[int] = []  # event loop: applied at the top of each iteration
+        self._wake_workers: Callable[[], None] | None = None  # threaded: set by run_threaded
 
     @property
     def small(self) -> ModelSide:
@@ -162,17 +179,70 @@ class RoutedEngine:
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(t) for t in tokens]
-        return GenerateResult(tokens, models, texts, self.stats)
+        reasons = [
+            "abort"
+            if rid in self._aborted
+            else "stop"
+            if t and t[-1] == self.eos_token_id
+            else "length"
+            for rid, t in enumerate(tokens)
+        ]
+        return GenerateResult(tokens, models, texts, self.stats, reasons)
+
+    def abort(self, rid: int) -> bool:
+        """Stops request `rid` (its index in the prompts) of the current stream: no further
+        events for it, its KV released in both models (cached prefix stays in the trees). Callable
+        between events, from the router or another thread. Returns False (a no-op) when the
+        request's last token was already delivered or it was already aborted; raises ValueError
+        for an index outside the stream and RuntimeError when no stream has started."""
+        reqs = self._reqs
+        if reqs is None:
+            raise RuntimeError("abort: no stream has started on this engine")
+        if not isinstance(rid, int) or not 0 <= rid < len(reqs):
+            raise ValueError(f"abort: unknown request {rid!r} (the stream has {len(reqs)})")
+        with self._abort_lock:
+            if rid in self._done or rid in self._aborted:
+                return False
+            self._aborted.add(rid)
+            reqs[rid].aborted = True  # read by the threaded workers
+            self._abort_queue.append(rid)
+            wake = self._wake_workers
+        if wake is not None:
+            wake()
+        return True
 
     def stream(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int
     ) -> Iterator[tuple[int, int, int]]:
-        """Yields (request index, token, model) as tokens are committed; stats in self.stats."""
+        """Yields (request index, token, model) as tokens are committed; stats in self.stats.
+        `abort(rid)` stops a request: no event for it is yielded after the call."""
+        reqs = [_Request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        with self._abort_lock:
+            self._reqs = reqs
+            self._aborted, self._done, self._abort_queue = set(), set(), []
+            self._delivered = [0] * len(reqs)
+            self._wake_workers = None
+        inner = self._run(reqs, max_new_tokens)
+        try:
+            for ev in inner:
+                rid, tok = ev[0], ev[1]
+                with self._abort_lock:
+                    if rid in self._aborted:
+                        continue
+                    self._delivered[rid] += 1
+                    if self._delivered[rid] >= max_new_tokens or tok == self.eos_token_id:
+                        self._done.add(rid)
+                yield ev
+            with self._abort_lock:
+                self._done.update(range(len(reqs)))
+        finally:
+            inner.close()  # an abandoned stream still joins the threaded mode's workers
+
+    def _run(self, reqs: list[Request], max_new_tokens: int) -> Iterator[tuple[int, int, int]]:
         self.stats = st = Stats()
         for s in self.sides:
             s.bookkeeping_s = 0.0
         self._max_new = max_new_tokens
-        reqs = [_Request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         self._waiting: deque[_Request] = deque(reqs)
         self._running: list[_Request] = []  # on the small side
         self._parked: list[_Request] = []  # waiting for the large model
@@ -195,6 +265,7 @@ class RoutedEngine:
         # clock says it finished; meanwhile the small model keeps stepping the others.
         t_small = t_large = done_at = 0.0
         while self._waiting or self._running or self._parked or self._inflight:
+            self._apply_aborts()
             if self._inflight and done_at <= t_small:
                 self._running += self._inflight
                 self._inflight = []
@@ -251,6 +322,25 @@ class RoutedEngine:
         return 1.0 if kind == SMALL else self.large_step_cost
 
     # ---------------------------------------------------------------- internals
+
+    def _apply_aborts(self) -> None:
+        """Event loop: drop aborted requests wherever they wait (admission, the small side,
+        parked, a catch-up in flight) and release their KV in both models."""
+        with self._abort_lock:
+            rids, self._abort_queue = self._abort_queue, []
+        for rid in rids:
+            r = self._reqs[rid]  # type: ignore[index]
+            held = False
+            for lst in (self._waiting, self._running, self._parked, self._inflight):
+                if r in lst:
+                    lst.remove(r)
+                    held = True
+            if not held:  # finished already (its last events not yet delivered)
+                continue
+            for h in r.kv:  # never admitted or preempted: no handles, or released ones
+                h.release(r.seq)
+            self.stats.aborted += 1
+            self._admit_blocked = False  # memory came back, as when a request finishes
 
     def _admit(self) -> None:
         if self._admit_blocked and (self._running or self._parked or self._inflight):

@@ -8,6 +8,12 @@ Each model's tree and pool are touched only by that model's worker, so a request
 other model is released by a message to that worker (FIFO queues keep the order right).
 tokencache releases the GIL in bulk calls and torch releases it in ops: the models overlap.
 
+Abort (RoutedEngine.abort): the caller flags the request and wakes both workers; whichever
+holds it drops it at its next loop (the large worker releases its large KV and hands it to the
+small worker as finished; the small worker releases its small KV, asks the large worker to
+release the large one, and reports it done). Tokens committed meanwhile are filtered out by the
+engine's stream.
+
 Memory: evict cached KV, then preempt the newest request the worker holds. A worker whose only
 request is the globally oldest one waits for the other worker to free memory instead; the other
 worker never waits on a request that is not the oldest, so one of the two always moves.
@@ -70,6 +76,15 @@ class _Shared:
     def count_preemption(self) -> None:
         with self.lock:
             self.st.preemptions += 1
+
+    def count_abort(self) -> None:
+        with self.lock:
+            self.st.aborted += 1
+
+    def wake(self) -> None:
+        """An abort came in: both workers look at the requests they hold."""
+        self.small_in.put(("abort", None))
+        self.large_in.put(("abort", None))
 
     def commit(self, r: Request, token: int, model: int) -> bool:
         """Appends a token (by the worker that holds r); True when r is finished."""
@@ -160,6 +175,7 @@ class SmallWorker(_Worker):
         sh = self.sh
         while not self.stopping and not sh.stop.is_set():
             self.drain(None)
+            self.reap()
             self.admit()
             if self.running and self.step():
                 continue
@@ -204,13 +220,29 @@ class SmallWorker(_Worker):
             self.admit_blocked = True
             self.waiting.appendleft(r)
 
+    def reap(self) -> None:
+        """Drops aborted requests held here: waiting ones (no KV) and running ones."""
+        if any(r.aborted for r in self.waiting):
+            for r in [r for r in self.waiting if r.aborted]:
+                self.waiting.remove(r)
+                self.sh.count_abort()
+                self.sh.out.put(("fin", r.rid))
+        if any(r.aborted for r in self.running):
+            for r in [r for r in self.running if r.aborted]:
+                self.running.remove(r)
+                self.sh.count_abort()
+                self.sh.large_in.put(("release", r.kv[LARGE]))
+                self.leave(r, finished=True)
+
     def handle(self, kind: str, r: Any) -> None:
         if kind == "resume":
             self.running.append(r)
-        elif kind == "finished":
+        elif kind == "finished":  # finished, or aborted while the large worker held it
             self.leave(r, finished=True)
         elif kind == "preempted":
             self.leave(r, finished=False)
+        elif kind == "abort":
+            pass  # woken up: reap() runs at the top of the loop
         else:
             raise ValueError(f"small worker: unknown message {kind}")
 
@@ -262,8 +294,24 @@ class LargeWorker(_Worker):
             self.pending.append(payload)
         elif kind == "release":
             payload.release(None)
+        elif kind == "abort":
+            pass  # woken up: reap() runs at the top of the loop
         else:
             raise ValueError(f"large worker: unknown message {kind}")
+
+    def reap(self) -> None:
+        """Drops aborted parked requests: large KV released, handed back as finished."""
+        if not any(r.aborted for r in self.pending):
+            return
+        keep: list[Request] = []
+        for r in self.pending:
+            if r.aborted:
+                r.kv[LARGE].release(r.seq)
+                self.sh.count_abort()
+                self.sh.small_in.put(("finished", r))
+            else:
+                keep.append(r)
+        self.pending = keep
 
     def preempt(self, r: Request) -> None:
         r.kv[LARGE].release(r.seq)
@@ -273,6 +321,7 @@ class LargeWorker(_Worker):
         sh, sched = self.sh, self.sh.eng.sched
         while not self.stopping and not sh.stop.is_set():
             self.drain(None)
+            self.reap()
             wait = _POLL_S
             if self.pending:
                 waited = time.perf_counter() - self.pending[0].parked_at
@@ -318,6 +367,8 @@ def run_threaded(
     (also when the caller stops iterating early) and re-raises a worker's exception."""
     sh = _Shared(eng, st, max_new)
     small, large = SmallWorker(sh, reqs), LargeWorker(sh)
+    with eng._abort_lock:  # aborts before this point are already flagged on the requests
+        eng._wake_workers = sh.wake
     small.start()
     large.start()
     error: BaseException | None = None

@@ -1,0 +1,216 @@
+"""RoutedEngine.abort: an aborted request yields nothing more, its KV goes back (free or cached)
+in both models, and every other request still equals the no-cache reference."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from routing_helpers import make_prompts
+from test_exactness import bernoulli_decide
+from test_threaded import no_worker_threads
+
+from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
+from tokencache_routing.scheduler import SchedulerConfig
+
+
+def check_idle(eng: RoutedEngine) -> None:
+    for side in eng.sides:
+        assert side.pool.available + side.tree.total_size() == side.pool.num_slots
+        assert side.tree.protected_size() == 0
+        side.tree.check_invariants()
+    assert no_worker_threads()
+
+
+def check_others(
+    pair: Any, decide: Any, prompts: list[list[int]], max_new: int, res: Any, aborted: dict
+) -> None:
+    """aborted: rid -> tokens it must have (a prefix of the reference); the rest are exact."""
+    ref_tokens, ref_models = reference_generate(*pair, prompts, max_new, decide)
+    for rid, (tok, mod) in enumerate(zip(res.tokens, res.models, strict=True)):
+        if rid in aborted:
+            assert tok == ref_tokens[rid][: aborted[rid]]
+            assert res.finished_reasons[rid] == "abort"
+        else:
+            assert (tok, mod) == (ref_tokens[rid], ref_models[rid])
+            assert res.finished_reasons[rid] == "length"
+
+
+def consume(eng: RoutedEngine, prompts: list[list[int]], max_new: int, when: Any) -> Any:
+    """Streams; after each event calls when(eng, tokens) -> rid to abort or None. Checks that
+    no event of an aborted request follows the abort. Returns a generate-like result."""
+    tokens: list[list[int]] = [[] for _ in prompts]
+    models: list[list[int]] = [[] for _ in prompts]
+    cut: set[int] = set()
+    for rid, tok, model in eng.stream(prompts, max_new):
+        assert rid not in cut
+        tokens[rid].append(tok)
+        models[rid].append(model)
+        victim = when(eng, tokens)
+        if victim is not None and victim not in cut:
+            assert eng.abort(victim)
+            cut.add(victim)
+    reasons = ["abort" if r in cut else "length" for r in range(len(prompts))]
+    return type("Res", (), {"tokens": tokens, "models": models, "finished_reasons": reasons})
+
+
+MODES = [("tokencache", "events"), ("naive", "events"), ("tokencache", "threaded")]
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_abort_before_admission(pair: Any, dispatch: str, mode: str) -> None:
+    router = ScriptedRouter({0: [1], 1: [2]})
+    prompts = make_prompts(3, seed=50)
+    sched = SchedulerConfig(max_running=1)
+    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, scheduler=sched, mode=mode)
+    res = consume(eng, prompts, 8, lambda e, t: 2)  # rid 0 decodes alone: 2 is not admitted
+    assert res.tokens[2] == []
+    assert eng.stats.aborted == 1
+    check_others(pair, router.decide, prompts, 8, res, {2: 0})
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_abort_mid_decode(pair: Any, dispatch: str, mode: str) -> None:
+    router = ScriptedRouter({0: [1, 5], 1: [0, 6], 2: [4]})
+    prompts = make_prompts(4, seed=51, shared=6)
+    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode)
+    res = consume(eng, prompts, 10, lambda e, t: 1 if len(t[1]) == 3 else None)
+    check_others(pair, router.decide, prompts, 10, res, {1: 3})
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("dispatch", ["tokencache", "naive"])
+def test_abort_while_parked(pair: Any, dispatch: str) -> None:
+    router = ScriptedRouter({1: [3], 2: [1]})
+    prompts = make_prompts(4, seed=52, shared=5)
+    sched = SchedulerConfig(min_large_batch=10, max_wait_steps=100)
+    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, scheduler=sched)
+    seen: list[bool] = []
+
+    def when(e: RoutedEngine, t: list[list[int]]) -> int | None:
+        if any(r.rid == 1 for r in e._parked):
+            seen.append(True)
+            return 1
+        return None
+
+    res = consume(eng, prompts, 10, when)
+    assert seen
+    check_others(pair, router.decide, prompts, 10, res, {1: 3})
+    check_idle(eng)
+
+
+def test_abort_while_catchup_in_flight(pair: Any) -> None:
+    router = ScriptedRouter({1: [3], 3: [3]})
+    prompts = make_prompts(4, seed=53, shared=5)
+    eng = RoutedEngine(*pair, router, 256, large_step_cost=5.0)
+    seen: list[bool] = []
+
+    def when(e: RoutedEngine, t: list[list[int]]) -> int | None:
+        if any(r.rid == 1 for r in e._inflight):
+            seen.append(True)
+            return 1
+        return None
+
+    res = consume(eng, prompts, 10, when)
+    assert seen  # the large token was delivered at launch, the request had not rejoined
+    check_others(pair, router.decide, prompts, 10, res, {1: 4})
+    check_idle(eng)
+
+
+class _SignalRouter(ScriptedRouter):
+    """Sets `parked` once request 0 has been escalated (called on the small worker)."""
+
+    def __init__(self, positions: dict[int, list[int]]) -> None:
+        super().__init__(positions)
+        self.parked = threading.Event()
+
+    def route(self, f: Any) -> Any:
+        out = super().route(f)
+        if any(r == 0 and e for r, e in zip(f.rids.tolist(), out.tolist(), strict=True)):
+            self.parked.set()
+        return out
+
+
+def test_threaded_abort_queued_at_large_worker(pair: Any) -> None:
+    # The large worker waits for 100 parked requests or 100 s while the small one is busy; the
+    # others' long generations give the consumer thread ample time to abort before that.
+    NEW = 300
+    router = _SignalRouter({0: [2]})
+    prompts = make_prompts(4, seed=54, shared=4)
+    sched = SchedulerConfig(min_large_batch=100, max_wait_s=100.0)
+    eng = RoutedEngine(*pair, router, 512, scheduler=sched, mode="threaded")
+    res = consume(eng, prompts, NEW, lambda e, t: 0 if router.parked.is_set() else None)
+    assert eng.stats.catchup_batch_sizes == []  # aborted before the large model ever ran
+    assert eng.stats.aborted == 1
+    check_others(pair, router.decide, prompts, NEW, res, {0: 2})
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_abort_from_router_marks_generate_result(pair: Any, mode: str) -> None:
+    holder: list[RoutedEngine] = []
+
+    class AbortAt(ScriptedRouter):
+        def route(self, f: Any) -> Any:
+            for rid, pos in zip(f.rids.tolist(), f.positions.tolist(), strict=True):
+                if rid == 1 and pos == 4:
+                    assert holder[0].abort(1)
+            return super().route(f)
+
+    router = AbortAt({1: [2], 2: [0, 3]})
+    prompts = make_prompts(3, seed=55)
+    eng = RoutedEngine(*pair, router, 256, mode=mode)
+    holder.append(eng)
+    res = eng.generate(prompts, 8)
+    assert res.aborted == [False, True, False]
+    check_others(pair, router.decide, prompts, 8, res, {1: 4})
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+@pytest.mark.parametrize("num_slots", [512, 56])
+def test_abort_many_bernoulli(pair: Any, mode: str, num_slots: int) -> None:
+    router = BernoulliRouter(0.3, seed=5)
+    prompts = make_prompts(7, seed=56, shared=8, lo=2, hi=7)
+    sched = SchedulerConfig(max_running=5, min_large_batch=2, max_wait_steps=1, max_wait_s=0.002)
+    eng = RoutedEngine(*pair, router, num_slots, scheduler=sched, mode=mode)
+    plan = {3: 1, 10: 4, 25: 6}  # after the n-th event, abort this request
+
+    def when(e: RoutedEngine, t: list[list[int]]) -> int | None:
+        return plan.get(sum(map(len, t)))
+
+    res = consume(eng, prompts, 12, when)
+    cut = {rid: len(res.tokens[rid]) for rid in plan.values()}
+    check_others(pair, bernoulli_decide(router), prompts, 12, res, cut)
+    check_idle(eng)
+    res2 = eng.generate(prompts[:3], 5)  # warm trees: still exact afterwards
+    check_others(pair, bernoulli_decide(router), prompts[:3], 5, res2, {})
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_abort_unknown_or_finished(pair: Any, mode: str) -> None:
+    router = ScriptedRouter({0: [1]})
+    prompts = make_prompts(2, seed=57)
+    eng = RoutedEngine(*pair, router, 256, mode=mode)
+    with pytest.raises(RuntimeError, match="no stream"):
+        eng.abort(0)
+    tokens: list[list[int]] = [[], []]
+    for rid, tok, _ in eng.stream(prompts, 3):
+        tokens[rid].append(tok)
+        for bad in (2, -1, 99):
+            with pytest.raises(ValueError, match="unknown request"):
+                eng.abort(bad)
+        if len(tokens[rid]) == 3:
+            assert not eng.abort(rid)  # its last token was delivered: a no-op
+    assert not eng.abort(0) and not eng.abort(1)  # the stream ended
+    res = eng.generate(prompts, 3)
+    assert res.finished_reasons == ["length", "length"] and res.tokens == tokens
+    assert res.stats.aborted == 0
+    check_idle(eng)
+    it = eng.stream(prompts, 6)
+    next(it)
+    assert eng.abort(1) and not eng.abort(1)  # twice: the second is a no-op
+    it.close()
