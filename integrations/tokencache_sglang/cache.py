@@ -353,10 +353,8 @@ class TokenCacheRadixCache(BasePrefixCache):
         return self._to_device(self.tree.path_slots(node))
 
     def dfs_weight_order(self, node_handles: Any) -> list[int]:
-        raise NotImplementedError(
-            "tokencache backend: --schedule-policy dfs-weight needs node.children, which the "
-            "native tree does not expose"
-        )
+        # Native: walks only the paths above the given nodes (SGLang walks the whole tree).
+        return self.tree.dfs_weight_order(list(node_handles))
 
     def supports_prefix_sharing(self) -> bool:
         return not self.disable

@@ -48,8 +48,6 @@ def unsupported_reasons(ctx: TreeCacheBuildContext) -> list[str]:
         reasons.append("--enable-session-radix-cache")
     if _server_arg(ctx, "enable_lmcache"):
         reasons.append("--enable-lmcache")
-    if _server_arg(ctx, "schedule_policy") == "dfs-weight":
-        reasons.append("--schedule-policy dfs-weight (needs node.children walks)")
     if ctx.params.is_eagle:
         reasons.append("EAGLE speculative decoding (bigram radix keys)")
     policy = (ctx.params.eviction_policy or "lru").lower()

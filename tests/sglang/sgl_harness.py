@@ -156,6 +156,11 @@ class Side:
     def evict(self, num_tokens: int) -> int:
         return self.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted
 
+    def dfs_order(self) -> list[int]:
+        """The dfs-weight schedule order of every live request's and lock's node."""
+        nodes = [self.reqs[rid].last_node for rid in sorted(self.reqs)] + list(self.locks)
+        return self.cache.dfs_weight_order(nodes)
+
     # ----- request lifecycle (what the scheduler and mem_cache/common.py do) -----
 
     def start(self, rid: str, seq: np.ndarray, prompt_len: int, ns: int, row: int) -> tuple:

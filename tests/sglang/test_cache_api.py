@@ -100,8 +100,7 @@ def test_pretty_print_and_touch(sgl: SimpleNamespace, capsys: pytest.CaptureFixt
     assert cache.tree.node_count() == nodes + 1
     cache.pretty_print()
     assert "#tokens: 12" in capsys.readouterr().out
-    with pytest.raises(NotImplementedError, match="dfs-weight"):
-        cache.dfs_weight_order([cache.root_node])
+    assert cache.dfs_weight_order([cache.root_node]) == [0]
 
 
 def test_lock_is_a_cursor_and_releases_once(sgl: SimpleNamespace) -> None:

@@ -161,6 +161,7 @@ def run_stream(
             )
         same("frees", ref.alloc.take(), ours.alloc.take(), ctx)
         same("sizes (evictable, protected, total)", ref.sizes(), ours.sizes(), ctx)
+        same("dfs-weight order", ref.dfs_order(), ours.dfs_order(), ctx)
 
     # Drain: finish every request, drop every lock; then everything is evictable.
     for rid in sorted(ref.reqs):

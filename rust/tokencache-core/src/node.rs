@@ -34,6 +34,9 @@ pub(crate) struct Node {
     pub last_access: u64,
     pub hits: u64,
     pub created: u64,
+    /// Where this node stands among its parent's children, in insertion order; a split's new
+    /// prefix node takes its child's place (as in SGLang's children dict).
+    pub sibling_order: u64,
     /// Position-aware page hashes, kept only when KV events are on.
     pub page_hashes: Vec<u64>,
     /// This node's key in the evictable-leaf set, when it is in it.

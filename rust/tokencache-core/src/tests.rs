@@ -356,3 +356,21 @@ fn strict_batch_refusal_changes_nothing() {
     assert_eq!((a.length(), b.length()), (0, 0));
     assert_eq!(t.pretty_print(), before);
 }
+
+#[test]
+fn dfs_weight_order_heavier_subtrees_first() {
+    let t = tree(1);
+    let a = t.insert(&[1, 2], &[0, 1], None, 0).unwrap().node; // inserted first
+    let b = t.insert(&[1, 3], &[2, 3], None, 0).unwrap().node;
+    let c = t.insert(&[4], &[4], None, 0).unwrap().node;
+    let shared = t.match_prefix(&[1], None).node;
+    let root = t.root();
+    // [a, b, b, c, shared, root]: subtree [1] weighs 4 (a, b, b, shared), [4] weighs 1
+    let order = t
+        .dfs_weight_order(&[a.clone(), b.clone(), b.clone(), c, shared, root])
+        .unwrap();
+    // under [1]: b (2) before a (1); [1]'s own request after its subtree; then [4]; root last
+    assert_eq!(order, vec![1, 2, 0, 4, 3, 5]);
+    t.unlock(&a).unwrap_err();
+    t.check_invariants().unwrap();
+}

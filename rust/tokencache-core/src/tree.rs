@@ -214,6 +214,7 @@ impl Inner {
             last_access: created,
             hits: 0,
             created,
+            sibling_order: 0,
             page_hashes: Vec::new(),
             leaf_key: None,
         });
@@ -347,6 +348,7 @@ impl Inner {
             last_access: created,
             hits: 0,
             created,
+            sibling_order: created,
             page_hashes,
             leaf_key: None,
         });
@@ -384,7 +386,7 @@ impl Inner {
         let head_hashes = std::mem::replace(&mut node.page_hashes, tail_hashes);
         let parent = node.parent.expect("roots are never split");
         let counted = node.counted;
-        let (hits, ns) = (node.hits, node.namespace);
+        let (hits, ns, sibling_order) = (node.hits, node.namespace, node.sibling_order);
         let child_key = PageKey::from_slice(&node.tokens[..page]);
         let head_key = PageKey::from_slice(&head_tokens[..page]);
         let state = if counted { crate::cell::CHILD_UNIT } else { 0 };
@@ -404,6 +406,7 @@ impl Inner {
             last_access: now,
             hits,
             created: now,
+            sibling_order,
             page_hashes: head_hashes,
             leaf_key: None,
         });
@@ -846,6 +849,67 @@ impl RadixTree {
             inner.sizes.total, inner.sizes.evictable, inner.sizes.protected
         ));
         out
+    }
+
+    /// SGLang's `dfs-weight` schedule order for requests whose last nodes are `nodes`: a node's
+    /// weight is the number of requests in its subtree; walk depth-first from the root (all
+    /// namespaces share it, as in SGLang), heavier children first (ties in insertion order),
+    /// listing each node's requests after its subtree. Only the paths above `nodes` are walked.
+    /// Requests on nodes that no longer exist (SGLang would drop them) come last.
+    pub fn dfs_weight_order(&self, nodes: &[NodeHandle]) -> Result<Vec<usize>> {
+        use std::collections::HashMap;
+        let inner = self.shared.lock();
+        // None stands for the shared root.
+        let mut requests: HashMap<Option<NodeId>, Vec<usize>> = HashMap::new();
+        let mut stale = Vec::new();
+        for (i, h) in nodes.iter().enumerate() {
+            if h.tree != self.shared.id {
+                return Err(Error::ForeignHandle(
+                    "node handle belongs to another tree".into(),
+                ));
+            }
+            if self.shared.check_handle(&inner, h).is_err() {
+                stale.push(i);
+            } else {
+                let key = (!inner.arena[h.id].is_root).then_some(h.id);
+                requests.entry(key).or_default().push(i);
+            }
+        }
+        let mut weight: HashMap<Option<NodeId>, usize> = HashMap::new();
+        let mut children: HashMap<Option<NodeId>, Vec<NodeId>> = HashMap::new();
+        for (&node, idx) in &requests {
+            let mut cur = node;
+            while let Some(id) = cur {
+                let w = weight.entry(Some(id)).or_insert(0);
+                let first_visit = *w == 0;
+                *w += idx.len();
+                let parent = inner.arena[id].parent.filter(|&p| !inner.arena[p].is_root);
+                if first_visit {
+                    children.entry(parent).or_default().push(id);
+                }
+                cur = parent;
+            }
+            *weight.entry(None).or_insert(0) += idx.len();
+        }
+        let mut order = Vec::with_capacity(nodes.len());
+        let mut stack: Vec<(Option<NodeId>, bool)> = vec![(None, false)];
+        while let Some((node, visited)) = stack.pop() {
+            if visited {
+                order.extend(requests.get(&node).into_iter().flatten());
+                continue;
+            }
+            stack.push((node, true));
+            let mut kids = children.remove(&node).unwrap_or_default();
+            kids.sort_by_key(|&c| {
+                (
+                    std::cmp::Reverse(weight[&Some(c)]),
+                    inner.arena[c].sibling_order,
+                )
+            });
+            stack.extend(kids.into_iter().rev().map(|c| (Some(c), false)));
+        }
+        order.extend(stale);
+        Ok(order)
     }
 
     #[doc(hidden)]

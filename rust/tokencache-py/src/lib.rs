@@ -387,6 +387,12 @@ impl PyRadixTree {
         self.inner.path_length(&node.inner).py_err()
     }
 
+    /// SGLang's dfs-weight scheduling order of requests whose last nodes are `nodes`.
+    fn dfs_weight_order(&self, nodes: Vec<PyRef<'_, PyNode>>) -> PyResult<Vec<usize>> {
+        let handles: Vec<core::NodeHandle> = nodes.iter().map(|n| n.inner.clone()).collect();
+        self.inner.dfs_weight_order(&handles).py_err()
+    }
+
     fn take_events(&self) -> Vec<PyKvEvent> {
         self.inner
             .take_events()
