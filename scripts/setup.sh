@@ -29,6 +29,11 @@ pip_install "${normal[@]}"
 pip_install --no-deps "${nodeps[@]}"
 "$PY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
+# SGLang compiles its KV-event page hash (C++ with OpenSSL) on first use, in the tests.
+if [ ! -f /usr/include/openssl/sha.h ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq libssl-dev) >/dev/null || echo "setup: could not install libssl-dev" >&2
+fi
+
 if command -v rustup >/dev/null 2>&1; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
 fi

@@ -20,12 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from sglang.srt.disaggregation.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    StorageMedium,
-)
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -39,8 +33,11 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
     TreeLock,
 )
+from sglang.srt.mem_cache.events import KVCacheEventRecorder
 
 import tokencache
+
+from . import events as kv_events
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -122,7 +119,13 @@ class TokenCacheRadixCache(BasePrefixCache):
             enable_events=self._events_enabled,
         )
         self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self._pending_events: list[Any] = []
+        self._recorder = KVCacheEventRecorder(
+            enabled=self._events_enabled,
+            page_size=self.page_size,
+            dynamo_format=params.dynamo_kv_event_format,
+            lora_names=params.kv_event_lora_names,
+        )
+        self._seeded: set[str] = set()
         if params.enable_metrics:
             self.init_metrics_collector()
         self.reset()
@@ -177,8 +180,6 @@ class TokenCacheRadixCache(BasePrefixCache):
             last_host_node=root,
             best_match_node=root,
         )
-        if self._events_enabled:
-            self._pending_events.append(_all_cleared_event())
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
@@ -188,7 +189,7 @@ class TokenCacheRadixCache(BasePrefixCache):
         if n == 0:
             return self._empty_match_result
         result = self.tree.match_prefix(
-            token_array(key.token_ids, n), namespace_of(key.extra_key, key.cache_salt)
+            token_array(key.token_ids, n), self._namespace(key.extra_key, key.cache_salt)
         )
         node = result.node
         return MatchResult(
@@ -212,7 +213,7 @@ class TokenCacheRadixCache(BasePrefixCache):
         tokens = token_array(key.token_ids, n)
         # Without a value RadixCache stores the token ids themselves (a debug fallback).
         slots = tokens.copy() if params.value is None else self._to_numpy(params.value[:n])
-        namespace = namespace_of(key.extra_key, key.cache_salt)
+        namespace = self._namespace(key.extra_key, key.cache_salt)
         result = self.tree.insert(tokens, slots, namespace, inserted_len=params.inserted_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.node)
 
@@ -224,7 +225,7 @@ class TokenCacheRadixCache(BasePrefixCache):
             raise UnsupportedConfigError("tokencache backend: SWA eviction floors are unsupported")
         # RadixCache keys full_untruncated_fill_ids[:up_to], page-aligned.
         key_len = self._aligned_len(min(up_to, len(req.full_untruncated_fill_ids)))
-        namespace = namespace_of(req.extra_key, req.cache_salt)
+        namespace = self._namespace(req.extra_key, req.cache_salt)
         lock = req.lock
         if (
             isinstance(lock, CursorLock)
@@ -244,6 +245,10 @@ class TokenCacheRadixCache(BasePrefixCache):
         kv = req.kv
         start = kv.cache_protected_len
         all_tokens = req.full_untruncated_fill_ids
+        if kv.cache_inserted_len < start:
+            # RadixCache re-inserts from the root with inserted_len: the matched prefix's nodes
+            # past it count an LFU hit (the first checkpoint after admission does this).
+            cursor.record_hits(kv.cache_inserted_len)
         if key_len > start:
             row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
             dedup = cursor.extend(
@@ -388,34 +393,15 @@ class TokenCacheRadixCache(BasePrefixCache):
         print(f"#tokens: {self.total_size()}")
 
     def take_events(self) -> list[Any]:
-        events = self._pending_events
-        self._pending_events = []
         if self._events_enabled:
-            # Like SGLang's recorder, publish no event without blocks (the native tree reports
-            # an empty store when it creates a namespace root).
-            events.extend(
-                _convert_event(e, self.page_size) for e in self.tree.take_events() if e.page_hashes
-            )
-        return events
+            kv_events.replay(self._recorder, self.tree.take_events(), self.page_size)
+        return self._recorder.take()
 
-
-def _all_cleared_event() -> AllBlocksCleared:
-    return AllBlocksCleared()
-
-
-def _convert_event(event: tokencache.KVEvent, page_size: int) -> BlockStored | BlockRemoved:
-    """Native KV event -> SGLang's BlockStored / BlockRemoved (hashes are tokencache's own)."""
-    if event.kind == "removed":
-        return BlockRemoved(block_hashes=list(event.page_hashes), medium=StorageMedium.GPU)
-    cache_salt = None
-    if event.namespace is not None:
-        cache_salt = json.loads(event.namespace)[1]
-    return BlockStored(
-        block_hashes=list(event.page_hashes),
-        parent_block_hash=event.parent_hash,
-        token_ids=list(event.token_ids),
-        block_size=page_size,
-        lora_id=None,
-        medium=StorageMedium.GPU,
-        cache_salt=cache_salt,
-    )
+    def _namespace(self, extra_key: str | None, cache_salt: str | None) -> str | None:
+        """The tree namespace of a key; a salted one's events chain from SGLang's salt seed."""
+        namespace = namespace_of(extra_key, cache_salt)
+        if self._events_enabled and namespace is not None and namespace not in self._seeded:
+            salt = cache_salt or None
+            self.tree.set_event_seed(namespace, kv_events.salt_seed(salt) if salt else None)
+            self._seeded.add(namespace)
+        return namespace

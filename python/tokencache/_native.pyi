@@ -106,9 +106,16 @@ class KVEvent:
     def kind(self) -> str:
         """Either "stored", "removed" or "cleared"."""
     @property
-    def page_hashes(self) -> list[int]: ...
+    def page_hashes(self) -> list[int]:
+        """Signed 64-bit page ids, as SGLang's KV events carry them."""
     @property
     def parent_hash(self) -> int | None: ...
+    @property
+    def page_digests(self) -> list[bytes]:
+        """Full SHA-256 page digests (SGLang's chain: previous digest + little-endian u32 ids)."""
+    @property
+    def parent_digest(self) -> bytes | None:
+        """The parent node's last page digest; None under a namespace root."""
     @property
     def token_ids(self) -> list[int]:
         """Tokens of the stored pages (empty for "removed")."""
@@ -133,6 +140,8 @@ class Cursor:
     def released(self) -> bool: ...
     def extend(self, tokens: ArrayLike, slots: ArrayLike) -> Dedup | None:
         """Append tokens with their KV slots in O(len(tokens)); returns the duplicates, if any."""
+    def record_hits(self, since: int) -> None:
+        """Count an LFU hit on every path node that ends past `since` (SGLang's inserted_len)."""
     def touch(self) -> None:
         """Mark the whole sequence used now (LRU) in O(1)."""
     def truncate(self, num_tokens: int) -> NDArray[np.int64]:
@@ -194,6 +203,8 @@ class RadixTree:
     def dfs_weight_order(self, nodes: list[Node]) -> list[int]:
         """SGLang's dfs-weight order of requests whose last nodes are `nodes` (indices)."""
     def take_events(self) -> list[KVEvent]: ...
+    def set_event_seed(self, namespace: str | None, seed: bytes | None) -> None:
+        """Chain a namespace's event digests from a 32-byte seed (SGLang seeds salted keys)."""
     def check_invariants(self) -> None:
         """Raise AssertionError describing the first broken invariant."""
     def cursor(self, namespace: str | None = None) -> Cursor:

@@ -264,6 +264,22 @@ impl Cursor {
         Ok(())
     }
 
+    /// Count one LFU hit on every node of the cursor's path that ends past `since`: what
+    /// SGLang's insert of the whole sequence with `inserted_len = since` counts. O(nodes past
+    /// `since`).
+    pub fn record_hits(&self, since: usize) -> Result<()> {
+        let mut inner = self.shared.lock();
+        self.check(&inner)?;
+        let (mut id, mut end) = (self.node, self.cached_len);
+        while end > since && !inner.arena[id].is_root {
+            inner.hit(id);
+            let n = &inner.arena[id];
+            end -= n.len();
+            id = n.parent.expect("non-root node has a parent");
+        }
+        Ok(())
+    }
+
     /// Drop the last `num_tokens` tokens. Nodes only this cursor holds leave the tree and their
     /// slots are returned for the caller to free; shared nodes stay cached.
     pub fn truncate(&mut self, num_tokens: usize) -> Result<Vec<i64>> {
@@ -424,17 +440,7 @@ fn remove_claimed(inner: &mut Inner, id: NodeId) -> (Vec<u32>, Vec<i64>) {
     inner.arena[parent].children.remove(&node.tokens[..page]);
     inner.sizes.protected -= node.len();
     inner.sizes.total -= node.len();
-    if inner.config.enable_events {
-        let parent_hash = inner.arena[parent].page_hashes.last().copied();
-        let namespace = inner.namespaces[node.namespace as usize].clone();
-        inner.events.push(crate::events::KvEvent {
-            kind: crate::events::KvEventKind::Removed,
-            page_hashes: node.page_hashes.clone(),
-            parent_hash,
-            token_ids: Vec::new(),
-            namespace,
-        });
-    }
+    inner.record_removed(parent, &node);
     inner.arena[parent].cell.add_protected_child(false);
     inner.reconcile(parent);
     inner.sync_leaf(parent);

@@ -18,7 +18,7 @@ mod tree;
 
 pub use cursor::{Cursor, Dedup};
 pub use error::{Error, Result};
-pub use events::{chain_hashes, page_hash, KvEvent, KvEventKind};
+pub use events::{chain_digests, digest_id, page_digest, Digest, KvEvent, KvEventKind};
 pub use node::NodeId;
 pub use policy::EvictionPolicy;
 pub use tree::{Fault, InsertOutput, MatchOutput, NodeHandle, RadixTree, Sizes, TreeConfig};

@@ -37,8 +37,8 @@ pub(crate) struct Node {
     /// Where this node stands among its parent's children, in insertion order; a split's new
     /// prefix node takes its child's place (as in SGLang's children dict).
     pub sibling_order: u64,
-    /// Position-aware page hashes, kept only when KV events are on.
-    pub page_hashes: Vec<u64>,
+    /// Position-aware page digests, kept only when KV events are on.
+    pub page_hashes: Vec<crate::events::Digest>,
     /// This node's key in the evictable-leaf set, when it is in it.
     pub leaf_key: Option<LeafKey>,
 }

@@ -218,16 +218,41 @@ fn events_chain_hashes() {
     t.insert(&[1, 2, 5, 6], &[0, 1, 4, 5], None, 0).unwrap();
     let ev = t.take_events();
     assert_eq!(ev.len(), 2);
+    assert_eq!(ev[0].page_digests, chain_digests(None, &[1, 2, 3, 4], 2));
     assert_eq!(
-        ev[0].page_hashes,
-        chain_hashes(None, None, &[1, 2, 3, 4], 2)
+        ev[0].parent_digest, None,
+        "a child of the root names no parent"
     );
-    assert_eq!(ev[1].parent_hash, Some(ev[0].page_hashes[0]));
+    assert_eq!(ev[1].parent_digest, Some(ev[0].page_digests[0]));
     t.evict(100);
     let ev = t.take_events();
     assert!(ev.iter().all(|e| e.kind == KvEventKind::Removed));
-    assert_eq!(ev.iter().map(|e| e.page_hashes.len()).sum::<usize>(), 3);
-    ok(&t);
+    assert_eq!(ev.iter().map(|e| e.page_digests.len()).sum::<usize>(), 3);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn event_seed_starts_a_namespace_chain() {
+    let t = RadixTree::new(TreeConfig {
+        page_size: 1,
+        enable_events: true,
+        ..Default::default()
+    })
+    .unwrap();
+    t.set_event_seed(Some("salted"), Some([9; 32]));
+    t.insert(&[5], &[0], Some("salted"), 0).unwrap();
+    t.insert(&[5], &[1], None, 0).unwrap();
+    let ev = t.take_events();
+    assert_eq!(ev[0].page_digests[0], page_digest(Some(&[9; 32]), &[5]));
+    assert_eq!(ev[1].page_digests[0], page_digest(None, &[5]));
+    t.reset();
+    t.take_events();
+    t.insert(&[5], &[0], Some("salted"), 0).unwrap();
+    assert_eq!(
+        t.take_events()[0].page_digests[0],
+        ev[0].page_digests[0],
+        "seeds survive reset"
+    );
 }
 
 #[test]

@@ -16,7 +16,7 @@ use rustc_hash::FxHashMap;
 
 use crate::cell::{Crossing, NodeCell};
 use crate::error::{Error, Result};
-use crate::events::{chain_hashes, KvEvent, KvEventKind};
+use crate::events::{chain_digests, Digest, KvEvent, KvEventKind};
 use crate::node::{Arena, Node, NodeId, PageKey};
 use crate::policy::{EvictionPolicy, LeafKey};
 
@@ -156,6 +156,9 @@ pub(crate) struct Inner {
     pub events: Vec<KvEvent>,
     pub config: TreeConfig,
     pub fault: Option<Fault>,
+    /// Per namespace: the digest a namespace's first page chains from (SGLang seeds salted
+    /// namespaces so their events differ).
+    pub event_seeds: FxHashMap<u32, Digest>,
 }
 
 /// Deliberate bugs, planted only by the test harness's self-test to prove it catches them.
@@ -180,6 +183,7 @@ impl Inner {
             events: Vec::new(),
             config,
             fault: None,
+            event_seeds: FxHashMap::default(),
         };
         inner.root(None);
         inner
@@ -320,15 +324,14 @@ impl Inner {
         let created = self.next_tick();
         let ns = self.arena[parent].namespace;
         let page_hashes = if self.config.enable_events {
-            let parent_hash = self.arena[parent].page_hashes.last().copied();
-            let namespace = self.namespaces[ns as usize].clone();
-            let hashes = chain_hashes(parent_hash, namespace.as_deref(), &tokens, self.page());
+            let prior = self.chain_prior(parent);
+            let hashes = chain_digests(prior, &tokens, self.page());
             self.events.push(KvEvent {
                 kind: KvEventKind::Stored,
-                page_hashes: hashes.clone(),
-                parent_hash,
+                page_digests: hashes.clone(),
+                parent_digest: self.parent_digest(parent),
                 token_ids: tokens.clone(),
-                namespace,
+                namespace: self.namespaces[ns as usize].clone(),
             });
             hashes
         } else {
@@ -472,19 +475,40 @@ impl Inner {
             self.sizes.evictable -= node.len();
         }
         self.sizes.total -= node.len();
-        if self.config.enable_events {
-            let parent_hash = self.arena[parent].page_hashes.last().copied();
-            let namespace = self.namespaces[node.namespace as usize].clone();
-            self.events.push(KvEvent {
-                kind: KvEventKind::Removed,
-                page_hashes: node.page_hashes,
-                parent_hash,
-                token_ids: Vec::new(),
-                namespace,
-            });
-        }
+        self.record_removed(parent, &node);
         self.sync_leaf(parent);
         node.slots
+    }
+
+    /// The digest a new child of `parent` chains its first page from.
+    fn chain_prior(&self, parent: NodeId) -> Option<Digest> {
+        let p = &self.arena[parent];
+        if p.is_root {
+            self.event_seeds.get(&p.namespace).copied()
+        } else {
+            p.page_hashes.last().copied()
+        }
+    }
+
+    /// What a child's event names as its parent: nothing under a namespace root (as SGLang).
+    fn parent_digest(&self, parent: NodeId) -> Option<Digest> {
+        let p = &self.arena[parent];
+        (!p.is_root)
+            .then(|| p.page_hashes.last().copied())
+            .flatten()
+    }
+
+    /// Queue the event for a node that just left the tree.
+    pub fn record_removed(&mut self, parent: NodeId, node: &Node) {
+        if self.config.enable_events {
+            self.events.push(KvEvent {
+                kind: KvEventKind::Removed,
+                page_digests: node.page_hashes.clone(),
+                parent_digest: self.parent_digest(parent),
+                token_ids: Vec::new(),
+                namespace: self.namespaces[node.namespace as usize].clone(),
+            });
+        }
     }
 
     /// A parent outlives its removed child with the child's access stamp if newer: a cursor
@@ -753,7 +777,7 @@ impl RadixTree {
         for (_, n) in inner.arena.iter() {
             bytes += n.tokens.capacity() * size_of::<u32>()
                 + n.slots.capacity() * size_of::<i64>()
-                + n.page_hashes.capacity() * size_of::<u64>()
+                + n.page_hashes.capacity() * size_of::<Digest>()
                 + n.children.capacity() * (size_of::<PageKey>() + size_of::<NodeId>() + 1)
                 + size_of::<crate::cell::NodeCell>()
                 + 2 * size_of::<usize>();
@@ -775,16 +799,26 @@ impl RadixTree {
             slots.extend(node.slots);
         }
         let (config, fault) = (inner.config, inner.fault);
+        let seeds: Vec<(Option<String>, Digest)> = inner
+            .event_seeds
+            .iter()
+            .map(|(&ns, &d)| (inner.namespaces[ns as usize].clone(), d))
+            .collect();
         let had_events = !inner.events.is_empty() || config.enable_events;
         let events = std::mem::take(&mut inner.events);
         *inner = Inner::new(config);
         inner.fault = fault;
+        for (ns, d) in seeds {
+            let root = inner.root(ns.as_deref());
+            let idx = inner.arena[root].namespace;
+            inner.event_seeds.insert(idx, d);
+        }
         if had_events && config.enable_events {
             inner.events = events;
             inner.events.push(KvEvent {
                 kind: KvEventKind::Cleared,
-                page_hashes: Vec::new(),
-                parent_hash: None,
+                page_digests: Vec::new(),
+                parent_digest: None,
                 token_ids: Vec::new(),
                 namespace: None,
             });
@@ -910,6 +944,18 @@ impl RadixTree {
         }
         order.extend(stale);
         Ok(order)
+    }
+
+    /// Chain `namespace`'s KV event digests from `seed` (None: from nothing). Pages already
+    /// stored keep their digests, so set it before the namespace is used.
+    pub fn set_event_seed(&self, namespace: Option<&str>, seed: Option<Digest>) {
+        let mut inner = self.shared.lock();
+        let root = inner.root(namespace);
+        let ns = inner.arena[root].namespace;
+        match seed {
+            Some(d) => inner.event_seeds.insert(ns, d),
+            None => inner.event_seeds.remove(&ns),
+        };
     }
 
     #[doc(hidden)]

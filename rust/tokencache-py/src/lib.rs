@@ -6,6 +6,7 @@ mod errors;
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use tokencache_core as core;
 
 use convert::{array, token_array};
@@ -126,17 +127,35 @@ fn dedup(py: Python<'_>, d: core::Dedup) -> PyDedup {
     }
 }
 
-#[pyclass(module = "tokencache", name = "KVEvent", frozen, get_all)]
+#[pyclass(module = "tokencache", name = "KVEvent", frozen)]
 struct PyKvEvent {
+    #[pyo3(get)]
     kind: &'static str,
-    page_hashes: Vec<u64>,
-    parent_hash: Option<u64>,
+    #[pyo3(get)]
+    page_hashes: Vec<i64>,
+    #[pyo3(get)]
+    parent_hash: Option<i64>,
+    #[pyo3(get)]
     token_ids: Vec<u32>,
+    #[pyo3(get)]
     namespace: Option<String>,
+    digests: Vec<core::Digest>,
+    parent: Option<core::Digest>,
 }
 
 #[pymethods]
 impl PyKvEvent {
+    /// The full 32-byte SHA-256 digest of each page.
+    #[getter]
+    fn page_digests<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        self.digests.iter().map(|d| PyBytes::new(py, d)).collect()
+    }
+
+    #[getter]
+    fn parent_digest<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.parent.as_ref().map(|d| PyBytes::new(py, d))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "KVEvent(kind={:?}, pages={})",
@@ -186,6 +205,11 @@ impl PyCursor {
         let (t, s) = (convert::tokens(tokens)?, convert::slots(slots)?);
         let d = self.inner.extend(&t, &s).py_err()?;
         Ok((!d.is_empty()).then(|| dedup(py, d)))
+    }
+
+    /// Count an LFU hit on each path node that ends past `since` (SGLang's inserted_len).
+    fn record_hits(&self, since: i64) -> PyResult<()> {
+        self.inner.record_hits(count(since, "since")?).py_err()
     }
 
     /// Mark the whole sequence used now (LRU), in O(1).
@@ -403,12 +427,30 @@ impl PyRadixTree {
                     core::KvEventKind::Removed => "removed",
                     core::KvEventKind::Cleared => "cleared",
                 },
-                page_hashes: e.page_hashes,
-                parent_hash: e.parent_hash,
+                page_hashes: e.page_hashes(),
+                parent_hash: e.parent_hash(),
+                digests: e.page_digests,
+                parent: e.parent_digest,
                 token_ids: e.token_ids,
                 namespace: e.namespace,
             })
             .collect()
+    }
+
+    /// Chain `namespace`'s KV event digests from a 32-byte `seed` (None: from nothing).
+    #[pyo3(signature = (namespace, seed))]
+    fn set_event_seed(&self, namespace: Option<String>, seed: Option<&[u8]>) -> PyResult<()> {
+        let seed = match seed {
+            None => None,
+            Some(b) => Some(<core::Digest>::try_from(b).map_err(|_| {
+                errors::to_py(core::Error::InvalidArgument(format!(
+                    "an event seed is a 32-byte SHA-256 digest, got {} bytes",
+                    b.len()
+                )))
+            })?),
+        };
+        self.inner.set_event_seed(namespace.as_deref(), seed);
+        Ok(())
     }
 
     fn check_invariants(&self) -> PyResult<()> {
