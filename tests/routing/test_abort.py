@@ -144,7 +144,11 @@ def test_threaded_abort_queued_at_large_worker(pair: Any) -> None:
     res = consume(eng, prompts, NEW, lambda e, t: 0 if router.parked.is_set() else None)
     assert eng.stats.catchup_batch_sizes == []  # aborted before the large model ever ran
     assert eng.stats.aborted == 1
-    check_others(pair, router.decide, prompts, NEW, res, {0: 2})
+    # Tokens the small worker committed before the abort reached it may be dropped by the
+    # stream (never delivered): what was delivered is a prefix of the first two.
+    delivered = len(res.tokens[0])
+    assert delivered <= 2
+    check_others(pair, router.decide, prompts, NEW, res, {0: delivered})
     check_idle(eng)
 
 
@@ -165,7 +169,11 @@ def test_abort_from_router_marks_generate_result(pair: Any, mode: str) -> None:
     holder.append(eng)
     res = eng.generate(prompts, 8)
     assert res.aborted == [False, True, False]
-    check_others(pair, router.decide, prompts, 8, res, {1: 4})
+    # Threaded, tokens the small worker committed but the caller had not yet taken are dropped
+    # with the abort, so fewer than 4 may have been delivered; the event loop delivers all 4.
+    delivered = len(res.tokens[1])
+    assert delivered == 4 if mode == "events" else delivered <= 4
+    check_others(pair, router.decide, prompts, 8, res, {1: delivered})
     check_idle(eng)
 
 
