@@ -12,6 +12,7 @@ from tokencache_models import ForwardBatch, ForwardOutput
 
 from .kv import CursorKV, ModelSide
 from .naive import NaiveKV
+from .routers import Router, RouterFeatures
 
 KVHandle = CursorKV | NaiveKV
 
@@ -124,3 +125,18 @@ def run_forward(
     dt = time.perf_counter() - t0
     type(handles[0]).commit_many(side, handles, q_off, tokens, new_slots)  # type: ignore[arg-type]
     return out, dt, int(q_off[-1])
+
+
+def route_step(
+    router: Router, out: ForwardOutput, batch: Sequence[Request]
+) -> tuple[torch.Tensor, list[bool]]:
+    """One small-model step's greedy tokens and the router's escalate answers."""
+    tok = out.logits.argmax(-1)
+    feats = RouterFeatures(
+        logits=out.logits,
+        hidden=out.hidden,
+        tokens=tok,
+        positions=torch.tensor([r.num_generated for r in batch], dtype=torch.int64),
+        rids=torch.tensor([r.rid for r in batch], dtype=torch.int64),
+    )
+    return tok, router.route(feats).tolist()

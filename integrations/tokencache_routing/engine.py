@@ -18,21 +18,20 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tokencache_models import CausalLM, ForwardOutput, KVPool
 
 from .batch import (
     Request,
     attach_all,
     overlaps_prefill,
+    route_step,
     run_forward,
     take_catchup_batch,
     tokens_needed,
 )
 from .kv import CursorKV, ModelSide
 from .naive import NaiveKV
-from .routers import Router, RouterFeatures
+from .routers import Router
 from .scheduler import SchedulerConfig
 from .workers import run_threaded
 
@@ -432,15 +431,7 @@ class RoutedEngine:
         self.stats.small_tokens += ntok
         self.stats.steps += 1
         self.stats.small_forward_s += dt
-        tok = out.logits.argmax(-1)
-        feats = RouterFeatures(
-            logits=out.logits,
-            hidden=out.hidden,
-            tokens=tok,
-            positions=torch.tensor([r.num_generated for r in batch], dtype=torch.int64),
-            rids=torch.tensor([r.rid for r in batch], dtype=torch.int64),
-        )
-        escalate = self.router.route(feats).tolist()
+        tok, escalate = route_step(self.router, out, batch)
         keep: list[_Request] = []
         for r, t, esc in zip(batch, tok.tolist(), escalate, strict=True):
             if esc:  # park: the small token is discarded and never fed

@@ -28,18 +28,16 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .batch import (
     Request,
     attach_all,
     overlaps_prefill,
+    route_step,
     run_forward,
     take_catchup_batch,
     tokens_needed,
 )
 from .kv import CursorKV, ModelSide
-from .routers import RouterFeatures
 
 if TYPE_CHECKING:
     from .engine import RoutedEngine, Stats
@@ -260,15 +258,7 @@ class SmallWorker(_Worker):
         st.steps += 1
         st.small_tokens += ntok
         st.small_forward_s += dt
-        tok = out.logits.argmax(-1)
-        feats = RouterFeatures(
-            logits=out.logits,
-            hidden=out.hidden,
-            tokens=tok,
-            positions=torch.tensor([r.num_generated for r in batch], dtype=torch.int64),
-            rids=torch.tensor([r.rid for r in batch], dtype=torch.int64),
-        )
-        escalate = sh.eng.router.route(feats).tolist()
+        tok, escalate = route_step(sh.eng.router, out, batch)
         keep: list[Request] = []
         for r, t, esc in zip(batch, tok.tolist(), escalate, strict=True):
             if esc:  # park: the small token is discarded and never fed

@@ -55,29 +55,21 @@ MAX_LIVE_REQS = 8
 def build_pair(sgl: SimpleNamespace, page_size: int, policy: str) -> tuple[Any, Any]:
     from sgl_harness import make_side
 
-    def reference(allocator: Any) -> Any:
-        return sgl.RadixCache(
-            sgl.CacheInitParams(
-                disable=False,
-                req_to_token_pool=None,
-                token_to_kv_pool_allocator=allocator,
-                page_size=page_size,
-                eviction_policy=policy,
-                enable_kv_cache_events=True,
-            )
+    def params(allocator: Any) -> Any:
+        return sgl.CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=allocator,
+            page_size=page_size,
+            eviction_policy=policy,
+            enable_kv_cache_events=True,
         )
 
+    def reference(allocator: Any) -> Any:
+        return sgl.RadixCache(params(allocator))
+
     def ours(allocator: Any) -> Any:
-        return sgl.cache.TokenCacheRadixCache(
-            sgl.CacheInitParams(
-                disable=False,
-                req_to_token_pool=None,
-                token_to_kv_pool_allocator=allocator,
-                page_size=page_size,
-                eviction_policy=policy,
-                enable_kv_cache_events=True,
-            )
-        )
+        return sgl.cache.TokenCacheRadixCache(params(allocator))
 
     return make_side(reference, page_size), make_side(ours, page_size)
 
