@@ -2,12 +2,15 @@
 
 use crate::*;
 
+fn build(config: TreeConfig) -> RadixTree {
+    RadixTree::new(config).unwrap()
+}
+
 fn tree(page_size: usize) -> RadixTree {
-    RadixTree::new(TreeConfig {
+    build(TreeConfig {
         page_size,
         ..TreeConfig::default()
     })
-    .unwrap()
 }
 
 fn ok(t: &RadixTree) {
@@ -208,12 +211,11 @@ fn reset_makes_everything_stale() {
 
 #[test]
 fn events_chain_hashes() {
-    let t = RadixTree::new(TreeConfig {
+    let t = build(TreeConfig {
         page_size: 2,
         enable_events: true,
         ..Default::default()
-    })
-    .unwrap();
+    });
     t.insert(&[1, 2, 3, 4], &[0, 1, 2, 3], None, 0).unwrap();
     t.insert(&[1, 2, 5, 6], &[0, 1, 4, 5], None, 0).unwrap();
     let ev = t.take_events();
@@ -233,12 +235,11 @@ fn events_chain_hashes() {
 
 #[test]
 fn event_seed_starts_a_namespace_chain() {
-    let t = RadixTree::new(TreeConfig {
+    let t = build(TreeConfig {
         page_size: 1,
         enable_events: true,
         ..Default::default()
-    })
-    .unwrap();
+    });
     t.set_event_seed(Some("salted"), Some([9; 32]));
     t.insert(&[5], &[0], Some("salted"), 0).unwrap();
     t.insert(&[5], &[1], None, 0).unwrap();
@@ -269,12 +270,11 @@ fn bad_input_is_refused() {
     let other = tree(1);
     let h = other.root();
     assert!(matches!(t.lock(&h), Err(Error::ForeignHandle(_))));
-    let strict = RadixTree::new(TreeConfig {
+    let strict = build(TreeConfig {
         page_size: 2,
         strict_pages: true,
         ..Default::default()
-    })
-    .unwrap();
+    });
     assert!(matches!(
         strict.insert(&[1, 2], &[1, 2], None, 0),
         Err(Error::PageAlignment(_))
@@ -294,11 +294,10 @@ fn memory_accounting_grows_with_content() {
 }
 
 fn tree_with(policy: EvictionPolicy) -> RadixTree {
-    RadixTree::new(TreeConfig {
+    build(TreeConfig {
         policy,
         ..TreeConfig::default()
     })
-    .unwrap()
 }
 
 #[test]
@@ -361,12 +360,11 @@ fn cursor_touch_refreshes_the_whole_path_lazily() {
 
 #[test]
 fn strict_batch_refusal_changes_nothing() {
-    let t = RadixTree::new(TreeConfig {
+    let t = build(TreeConfig {
         page_size: 2,
         strict_pages: true,
         ..Default::default()
-    })
-    .unwrap();
+    });
     let mut a = t.cursor(None);
     let mut b = t.cursor(None);
     let before = t.pretty_print();
