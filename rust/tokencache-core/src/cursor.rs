@@ -10,8 +10,12 @@ use std::sync::Arc;
 
 use crate::cell::{NodeCell, CHILD_UNIT};
 use crate::error::{Error, Result};
+use crate::handle::NodeHandle;
+use crate::inner::Inner;
 use crate::node::NodeId;
-use crate::tree::{validate_pages, validate_shape, Inner, NodeHandle, RadixTree, Shared};
+use crate::shared::Shared;
+use crate::tree::RadixTree;
+use crate::validate::{validate_pages, validate_shape};
 
 /// Slots a cursor did not keep because the tree already held those tokens. The caller frees
 /// `freed[i]` and uses `slots[i]` for position `positions[i]` of request `request[i]`.
@@ -330,9 +334,7 @@ impl Cursor {
                 for (id, state) in killed {
                     inner.arena[id].cell.revive(state);
                 }
-                while let Some(d) = shared.dirty.pop() {
-                    inner.reconcile(d);
-                }
+                shared.drain_dirty(&mut inner);
                 continue;
             }
             inner.pin(anchor)?;

@@ -4,8 +4,9 @@
 use std::collections::{BTreeSet, HashSet};
 
 use crate::cell::NodeCell;
+use crate::config::Sizes;
+use crate::inner::Inner;
 use crate::node::NodeId;
-use crate::tree::{Inner, Sizes};
 
 macro_rules! ensure {
     ($cond:expr, $($fmt:tt)+) => {

@@ -8,20 +8,33 @@
 //! - Pins are atomic operations on one node (`cell.rs`); the tree is `Send + Sync`.
 
 mod cell;
+mod config;
 mod cursor;
 mod error;
 mod events;
+#[cfg(feature = "fault-injection")]
+mod fault;
+mod handle;
+mod inner;
 mod invariants;
 mod node;
 mod policy;
+mod print;
+mod schedule;
+mod shared;
 mod tree;
+mod validate;
 
+pub use config::{Sizes, TreeConfig};
 pub use cursor::{Cursor, Dedup};
 pub use error::{Error, Result};
 pub use events::{chain_digests, digest_id, page_digest, Digest, KvEvent, KvEventKind};
+#[cfg(feature = "fault-injection")]
+pub use fault::Fault;
+pub use handle::{InsertOutput, MatchOutput, NodeHandle};
 pub use node::NodeId;
 pub use policy::EvictionPolicy;
-pub use tree::{Fault, InsertOutput, MatchOutput, NodeHandle, RadixTree, Sizes, TreeConfig};
+pub use tree::RadixTree;
 
 #[cfg(test)]
 mod tests;

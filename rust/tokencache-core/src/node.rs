@@ -7,10 +7,12 @@ use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
 use crate::cell::NodeCell;
-use crate::policy::LeafKey;
 
 /// Children are keyed by their first page of tokens (one token when page_size is 1).
 pub(crate) type PageKey = SmallVec<[u32; 4]>;
+
+/// A node's place in the evictable-leaf set: the eviction policy's two sort keys, then the id.
+pub(crate) type LeafKey = (u64, u64, NodeId);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodeId {

@@ -4,7 +4,7 @@
 use std::str::FromStr;
 
 use crate::error::Error;
-use crate::node::{Node, NodeId};
+use crate::node::{LeafKey, Node, NodeId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EvictionPolicy {
@@ -49,5 +49,3 @@ impl FromStr for EvictionPolicy {
         }
     }
 }
-
-pub(crate) type LeafKey = (u64, u64, NodeId);
