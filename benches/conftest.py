@@ -24,6 +24,6 @@ def tokencache_mod() -> Any:
 def sglang_radix() -> Iterator[Any]:
     """SGLang 0.5.23's Python radix_cache module, imported once (behind the torchvision stub)."""
     pytest.importorskip("sglang")
-    from tokencache_bench.sglang_env import load_sglang
+    from tokencache_sglang.sglang_import import import_sglang
 
-    yield load_sglang()
+    yield import_sglang()

@@ -18,9 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "integrations"), str(ROOT / "tests" / "sglang")]
 
-from tokencache_sglang import stubs  # noqa: E402
+from tokencache_sglang.sglang_import import import_sglang  # noqa: E402
 
-stubs.install()
+import_sglang()
 
 import numpy as np  # noqa: E402
 import sgl_harness as H  # noqa: E402

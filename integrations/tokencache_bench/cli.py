@@ -17,6 +17,7 @@ import numpy as np
 
 from tokencache_bench.impls import IMPLS, Impl, factory
 from tokencache_bench.memory import rss_in_subprocesses, traced_bytes_per_token
+from tokencache_bench.plot import plot_handoffs
 from tokencache_bench.replay import Timings, replay
 from tokencache_bench.report import (
     Memory,
@@ -29,6 +30,7 @@ from tokencache_bench.report import (
     verify,
 )
 from tokencache_bench.trace import Trace, TraceConfig, make_trace, take_gen, take_requests
+from tokencache_extras import MissingExtra, require
 
 MEM_GEN = 2048  # generated tokens in the memory replays
 MEM_TRACED_REQUESTS = 4  # tracemalloc slows Python trees several-fold
@@ -72,9 +74,9 @@ def _available(impls: tuple[Impl, ...]) -> tuple[list[Impl], list[str]]:
     for impl in impls:
         try:
             if impl.needs == "sglang" or impl.needs.startswith("tokencache_sglang"):
-                from tokencache_bench.sglang_env import load_sglang
+                from tokencache_sglang.sglang_import import import_sglang
 
-                load_sglang()
+                import_sglang()
             importlib.import_module(impl.needs)
             ok.append(impl)
         except (ImportError, OSError, RuntimeError) as exc:  # cannot run here: skip, say why
@@ -84,9 +86,11 @@ def _available(impls: tuple[Impl, ...]) -> tuple[list[Impl], list[str]]:
 
 def _progress(total: int, enabled: bool) -> Any:  # a tqdm bar or a no-op stand-in
     if enabled:
-        from tqdm import tqdm
-
-        return tqdm(total=total, unit="hand-off", file=sys.stderr, smoothing=0.1)
+        try:
+            tqdm = require("tqdm", extra="bench").tqdm
+            return tqdm(total=total, unit="hand-off", file=sys.stderr, smoothing=0.1)
+        except MissingExtra as exc:
+            print(f"no progress bar: {exc}", file=sys.stderr)
 
     class _Null:
         def update(self, n: int) -> None: ...
@@ -182,14 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps(_raw(runs, step_runs, memory), indent=1))
-    from tokencache_bench.plot import plot_handoffs
-
-    plot_handoffs(
-        runs,
-        args.out / "handoff_vs_L.png",
-        f"hand-off cost vs L (R={config.requests}, S={config.system_len}, p={config.escalation_p})",
-    )
-    print(f"\nwrote {args.out / 'report.md'}, {args.out / 'handoff_vs_L.png'}, results.json")
+    written = [args.out / "report.md", args.out / "results.json"]
+    try:
+        plot_handoffs(
+            runs,
+            args.out / "handoff_vs_L.png",
+            f"hand-off cost vs L (R={config.requests}, S={config.system_len}, "
+            f"p={config.escalation_p})",
+        )
+        written.append(args.out / "handoff_vs_L.png")
+    except MissingExtra as exc:
+        print(f"\nplot skipped: {exc}", file=sys.stderr)
+    print(f"\nwrote {', '.join(map(str, written))}")
     return 0
 
 
@@ -204,7 +212,7 @@ def _render(
     skipped: list[str],
     wall: float,
 ) -> str:
-    from tokencache_bench.sglang_env import sglang_version
+    from tokencache_sglang.sglang_import import sglang_version
 
     try:
         sglang = sglang_version()

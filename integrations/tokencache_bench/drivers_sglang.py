@@ -12,8 +12,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from tokencache_bench.driver import Driver
-from tokencache_bench.sglang_env import load_sglang
 from tokencache_bench.trace import HandOff, Trace
+from tokencache_sglang.sglang_import import import_sglang
 
 SGLANG_OPS = ("match", "lock", "insert", "unlock")
 
@@ -30,7 +30,7 @@ class _SGLangDriver(Driver):
 
     def __init__(self, trace: Trace) -> None:
         super().__init__(trace)
-        rc = load_sglang()
+        rc = import_sglang()
         from sglang.srt.mem_cache import base_prefix_cache as bpc
 
         self._key_cls = rc.RadixKey
@@ -86,7 +86,7 @@ class SGLangRadixCache(_SGLangDriver):
     python_heap = True
 
     def _build(self) -> Any:
-        rc = load_sglang()
+        rc = import_sglang()
         return rc.RadixCache.create_simulated(mock_allocator=_mock_allocator(), page_size=1)
 
 
@@ -94,7 +94,7 @@ class _SGLangUnified(_SGLangDriver):
     backend = ""
 
     def _build(self) -> Any:
-        load_sglang()
+        import_sglang()
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache

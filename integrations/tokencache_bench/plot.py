@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 
 from tokencache_bench.replay import Timings
+from tokencache_extras import require
 
 
 def plot_handoffs(runs: list[Timings], path: Path, title: str) -> None:
-    import matplotlib
-
+    """Write the plot to ``path``; MissingExtra (naming the bench extra) without matplotlib."""
+    matplotlib = require("matplotlib", extra="bench")
     matplotlib.use("Agg")  # files only; CI has no display
     import matplotlib.pyplot as plt
 

@@ -18,9 +18,9 @@ def main(argv: list[str]) -> int:
     key, spec = argv[0], json.loads(argv[1])
     impl = next(i for i in IMPLS if i.key == key)
     if impl.needs == "sglang" or impl.needs.startswith("tokencache_sglang"):
-        from tokencache_bench.sglang_env import load_sglang
+        from tokencache_sglang.sglang_import import import_sglang
 
-        load_sglang()  # before the baseline: the import is not the tree
+        import_sglang()  # before the baseline: the import is not the tree
     config = TraceConfig(**{**spec["config"], "buckets": tuple(spec["config"]["buckets"])})
     trace = take_gen(take_requests(make_trace(config), spec["requests"]), spec["max_gen"])
     cls = factory(impl)

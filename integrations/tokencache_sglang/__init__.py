@@ -1,5 +1,5 @@
 """tokencache as SGLang's radix cache: ``--radix-cache-backend tokencache``.
 
-Import ``tokencache_sglang.stubs`` and call ``install()`` before ``import sglang`` on hosts
-without a loadable torchvision; ``cache`` and ``plugin`` import sglang.
+``cache`` and ``plugin`` import sglang; they go through :mod:`tokencache_sglang.sglang_import`,
+the project's one way to import SGLang (it stubs ``torchvision`` first on CPU-only hosts).
 """

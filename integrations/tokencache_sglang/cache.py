@@ -20,6 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from tokencache_sglang.sglang_import import import_sglang
+
+import_sglang()  # before the first sglang import (stubs torchvision where it cannot load)
+
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -162,7 +167,7 @@ class TokenCacheRadixCache(BasePrefixCache):
         return values.detach().to(device="cpu", dtype=torch.int64).numpy()
 
     def _aligned_len(self, n: int) -> int:
-        return n - n % self.page_size
+        return int(n - n % self.page_size)
 
     @property
     def root_node(self) -> tokencache.Node:
@@ -395,7 +400,8 @@ class TokenCacheRadixCache(BasePrefixCache):
     def take_events(self) -> list[Any]:
         if self._events_enabled:
             kv_events.replay(self._recorder, self.tree.take_events(), self.page_size)
-        return self._recorder.take()
+        events: list[Any] = self._recorder.take()
+        return events
 
     def _namespace(self, extra_key: str | None, cache_salt: str | None) -> str | None:
         """The tree namespace of a key; a salted one's events chain from SGLang's salt seed."""

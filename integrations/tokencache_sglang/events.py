@@ -14,6 +14,10 @@ import json
 from array import array
 from typing import Any
 
+from tokencache_sglang.sglang_import import import_sglang
+
+import_sglang()  # before the first sglang import (stubs torchvision where it cannot load)
+
 from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.radix_cache import RadixKey
 

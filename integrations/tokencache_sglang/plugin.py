@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tokencache_sglang.sglang_import import import_sglang
+
+import_sglang()  # a no-op inside SGLang's processes; stubs torchvision when imported elsewhere
+
 from sglang.srt.mem_cache.registry import (
     get_radix_cache_factory,
     register_radix_cache_backend,

@@ -49,6 +49,9 @@ class _Inert:
 
 
 class _InertModule(types.ModuleType):
+    __version__: str
+    __tokencache_stub__: bool
+
     def __getattr__(self, name: str) -> _Inert:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)

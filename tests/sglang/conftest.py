@@ -1,4 +1,4 @@
-"""Shared set-up: stub torchvision, import sglang and tokencache once per run.
+"""Shared set-up: import sglang (tokencache_sglang.sglang_import) and tokencache once per run.
 
 A missing sglang or tokencache fails every test here (never skips): this folder exists to
 check the SGLang backend.
@@ -18,12 +18,11 @@ if str(_INTEGRATIONS) not in sys.path:
     # Lets the tests run from a checkout without `pip install -e integrations`.
     sys.path.insert(0, str(_INTEGRATIONS))
 
-from tokencache_sglang import stubs  # noqa: E402
-
-stubs.install()
-
 _IMPORT_ERROR: str | None = None
 try:
+    from tokencache_sglang.sglang_import import import_sglang
+
+    import_sglang()  # the project's one way in: stubs torchvision first on CPU-only hosts
     from sglang.srt.mem_cache import common, registry  # noqa: F401
 
     import tokencache  # noqa: F401
