@@ -125,17 +125,15 @@ class SGLangSide(ModelSide):
         self.page_size = page_size
 
     def evict(self, n: int) -> int:
+        t0 = time.perf_counter()
         free0 = self.allocator.free_s
-        with self.bookkeeping():
-            res = self.cache.evict(_SGL.EvictParams(num_tokens=n))  # type: ignore[union-attr]
-        self.bookkeeping_s -= self.allocator.free_s - free0  # the pool's own work
+        res = self.cache.evict(_SGL.EvictParams(num_tokens=n))  # type: ignore[union-attr]
+        dt = time.perf_counter() - t0 - (self.allocator.free_s - free0)
+        self.bookkeeping_s += dt
         return int(res.num_tokens_evicted)
 
-    def cached_size(self) -> int:
-        return int(self.cache.total_size())
-
-    def pinned_size(self) -> int:
-        return int(self.cache.protected_size())
+    def idle_invariant(self) -> bool:
+        return self.pool.available + self.cache.total_size() == self.pool.num_slots
 
 
 class NaiveSGLangKV(NaiveKV):
@@ -153,11 +151,12 @@ class NaiveSGLangKV(NaiveKV):
         """Admitted as new: match seq[:-1] from the root, lock, read the prefix slots."""
         sgl = _SGL
         cache = self.side.cache
-        with self.side.bookkeeping():  # synchronised on CUDA: SGLang's device work counts
-            m = cache.match_prefix(sgl.MatchPrefixParams(key=_key(seq[:-1])))  # type: ignore[union-attr]
-            node = m.last_device_node
-            cache.inc_lock_ref(node)
-            prefix = cache.path_device_indices(node).cpu().numpy()
+        t0 = time.perf_counter()
+        m = cache.match_prefix(sgl.MatchPrefixParams(key=_key(seq[:-1])))  # type: ignore[union-attr]
+        node = m.last_device_node
+        cache.inc_lock_ref(node)
+        prefix = cache.path_device_indices(node).numpy()
+        self.side.bookkeeping_s += time.perf_counter() - t0
         n = len(prefix)
         self.node = node
         self._slots = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
@@ -172,14 +171,15 @@ class NaiveSGLangKV(NaiveKV):
         cache = side.cache
         n = self._n
         aligned = n - n % side.page_size
-        with side.bookkeeping():
-            res = cache.insert(
-                sgl.InsertParams(  # type: ignore[union-attr]
-                    key=_key(seq[:aligned]),
-                    value=torch.from_numpy(self._slots[:aligned].copy()),
-                )
+        t0 = time.perf_counter()
+        res = cache.insert(
+            sgl.InsertParams(  # type: ignore[union-attr]
+                key=_key(seq[:aligned]),
+                value=torch.from_numpy(self._slots[:aligned].copy()),
             )
-            cache.dec_lock_ref(self.node)
+        )
+        cache.dec_lock_ref(self.node)
+        side.bookkeeping_s += time.perf_counter() - t0
         # Slots the tree already held for [prefix_len, res.prefix_len) are duplicates; a
         # partial last page never enters the tree.
         side.free(self._slots[self._prefix_len : res.prefix_len].copy())
