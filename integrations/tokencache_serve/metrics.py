@@ -1,0 +1,121 @@
+"""Prometheus metrics: the server's own counters and histograms, and the engine's snapshot.
+
+Each app owns a CollectorRegistry (several servers in one process do not collide). The engine's
+numbers are read from RoutedEngine.metrics() at scrape time by a custom collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "tokencache"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Engine counters (monotonic) among RoutedEngine.metrics()' keys; the rest are gauges.
+_ENGINE_COUNTERS = (
+    "requests_submitted",
+    "requests_finished",
+    "tokens_generated",
+    "tokens_large",
+    "escalations",
+)
+
+
+class EngineCollector(Collector):
+    """Exports RoutedEngine.metrics() at each scrape."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        m = dict(self._snapshot())
+        for key in _ENGINE_COUNTERS:
+            if key in m:
+                c = CounterMetricFamily(f"{PREFIX}_engine_{key}", f"engine {key.replace('_', ' ')}")
+                c.add_metric([], float(m[key]))
+                yield c
+        tokens, large = float(m.get("tokens_generated", 0)), float(m.get("tokens_large", 0))
+        share = GaugeMetricFamily(
+            f"{PREFIX}_escalation_share", "share of generated tokens written by the large model"
+        )
+        share.add_metric([], large / tokens if tokens else 0.0)
+        yield share
+        gauges = {
+            "requests_running": "requests admitted by the engine",
+            "requests_waiting": "requests queued for admission",
+            "small_batch_occupancy": "mean small-model batch size over running requests",
+            "bookkeeping_share": "tree/cursor time over forwards plus bookkeeping",
+        }
+        for key, doc in gauges.items():
+            if key in m:
+                g = GaugeMetricFamily(f"{PREFIX}_engine_{key}", doc)
+                g.add_metric([], float(m[key]))
+                yield g
+        slots = GaugeMetricFamily(
+            f"{PREFIX}_kv_slots", "KV pool slots per model and state", labels=["model", "state"]
+        )
+        for model in ("small", "large"):
+            for state in ("used", "cached", "free"):
+                key = f"{model}_kv_slots_{state}"
+                if key in m:
+                    slots.add_metric([model, state], float(m[key]))
+        yield slots
+
+
+class ServerMetrics:
+    def __init__(self, engine_snapshot: Callable[[], Mapping[str, float]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "generation requests finished, by endpoint and finish reason",
+            ["endpoint", "finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.completion_tokens = Counter(
+            f"{PREFIX}_completion_tokens", "tokens returned to clients", registry=r
+        )
+        self.completion_tokens_large = Counter(
+            f"{PREFIX}_completion_tokens_large",
+            "tokens returned to clients that the large model wrote",
+            registry=r,
+        )
+        self.disconnects = Counter(
+            f"{PREFIX}_client_disconnects", "requests aborted because the client left", registry=r
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "request arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.per_token = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "mean time between output tokens after the first, per request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "request arrival to its last byte",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        if engine_snapshot is not None:
+            r.register(EngineCollector(engine_snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,405 @@
+"""Parsing and validation of OpenAI completion / chat-completion request bodies.
+
+Every refusal is an APIError (400 unless said otherwise) naming the offending field, raised
+before anything reaches the engine. Unknown fields are refused as OpenAI does; known fields this
+server does not implement are refused only when set to something other than their no-op value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import APIError, bad_request
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What both endpoints share; max_tokens None = the endpoint's default."""
+
+    model: str
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    temperature: float
+    top_p: float
+    seed: int | None
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    params: GenerationParams
+    prompt: str | list[int]  # text, or token ids
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    params: GenerationParams
+    messages: list[dict[str, str]]
+
+
+# Fields accepted and ignored: they change nothing in what is generated.
+_IGNORED = ("user", "metadata", "store")
+_COMMON = (
+    "model",
+    "max_tokens",
+    "stop",
+    "temperature",
+    "top_p",
+    "seed",
+    "n",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    *_IGNORED,
+)
+COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "echo", "suffix", "best_of"))
+CHAT_FIELDS = frozenset(
+    (
+        *_COMMON,
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "response_format",
+    )
+)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying why not."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(
+            f"We could not parse the JSON body of your request ({e}). The request body must be "
+            "a JSON object.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"The request body must be a JSON object, not {_json_type(body)}.", code="invalid_json"
+        )
+    return body
+
+
+def parse_completion(
+    body: Mapping[str, Any], default_temperature: float = 1.0
+) -> CompletionRequest:
+    _check_fields(body, COMPLETION_FIELDS)
+    _unsupported_if(body, "echo", lambda v: v is not None and v is not False, "echo")
+    _unsupported_if(body, "suffix", lambda v: v is not None and v != "", "suffix")
+    _unsupported_if(body, "best_of", lambda v: v is not None and v != 1, "best_of > 1")
+    _unsupported_if(body, "logprobs", lambda v: v is not None, "logprobs")
+    params = _common(body, "max_tokens", default_temperature)
+    if "prompt" not in body:
+        raise bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required")
+    return CompletionRequest(params, _prompt(body["prompt"]))
+
+
+def parse_chat(body: Mapping[str, Any], default_temperature: float = 1.0) -> ChatRequest:
+    _check_fields(body, CHAT_FIELDS)
+    _unsupported_if(body, "logprobs", lambda v: v is not None and v is not False, "logprobs")
+    _unsupported_if(body, "top_logprobs", lambda v: v is not None, "top_logprobs")
+    for name in ("tools", "functions"):
+        _unsupported_if(body, name, lambda v: v is not None and v != [], f"{name} (tool calls)")
+    for name in ("tool_choice", "function_call"):
+        _unsupported_if(body, name, lambda v: v is not None and v != "none", f"{name}")
+    _unsupported_if(
+        body,
+        "response_format",
+        lambda v: v is not None and v != {"type": "text"},
+        "response_format other than {'type': 'text'}",
+    )
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise bad_request(
+            "Give max_tokens or max_completion_tokens, not both.", "max_completion_tokens"
+        )
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    params = _common(body, key, default_temperature)
+    if "messages" not in body:
+        raise bad_request("Missing required parameter: 'messages'.", "messages", "missing_required")
+    return ChatRequest(params, _messages(body["messages"]))
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _json_type(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def _type_error(name: str, expected: str, got: object) -> APIError:
+    return bad_request(
+        f"Invalid type for '{name}': expected {expected}, but got {_json_type(got)} instead.",
+        name,
+        "invalid_type",
+    )
+
+
+def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    for key in body:
+        if key not in allowed:
+            raise bad_request(
+                f"Unrecognized request argument supplied: {key}", key, "unrecognized_argument"
+            )
+
+
+def _unsupported_if(
+    body: Mapping[str, Any], name: str, is_set: Callable[[Any], bool], what: str
+) -> None:
+    if name in body and is_set(body[name]):
+        raise bad_request(
+            f"Unsupported parameter: {what} is not supported by this server.",
+            name,
+            "unsupported_parameter",
+        )
+
+
+def _int(body: Mapping[str, Any], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        raise _type_error(name, "an integer", v)
+    return v
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _type_error(name, "a number", v)
+    if not math.isfinite(v):
+        raise bad_request(f"Invalid '{name}': must be a finite number.", name, "invalid_value")
+    return float(v)
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _type_error(name, "a boolean", v)
+    return v
+
+
+def _common(body: Mapping[str, Any], max_key: str, default_temperature: float) -> GenerationParams:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("Missing required parameter: 'model'.", "model", "missing_required")
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        if n < 1:
+            raise bad_request(f"Invalid 'n': must be >= 1, got {n}.", "n", "invalid_value")
+        raise bad_request(
+            f"Unsupported parameter: n = {n}; this server returns one choice per request "
+            "(n = 1). Send several requests instead.",
+            "n",
+            "unsupported_parameter",
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name)
+        if v is not None and v != 0.0:
+            raise bad_request(
+                f"Unsupported parameter: {name} is not supported by this server (only 0).",
+                name,
+                "unsupported_parameter",
+            )
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise _type_error("logit_bias", "an object", bias)
+    if bias:
+        raise bad_request(
+            "Unsupported parameter: logit_bias is not supported by this server.",
+            "logit_bias",
+            "unsupported_parameter",
+        )
+    for name in ("user",):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _type_error(name, "a string", body[name])
+
+    max_tokens = _int(body, max_key)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(
+            f"Invalid '{max_key}': integer below minimum value. Expected a value >= 1, but got "
+            f"{max_tokens} instead.",
+            max_key,
+            "integer_below_min_value",
+        )
+
+    temperature = _number(body, "temperature")
+    if temperature is None:
+        temperature = default_temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_request(
+            f"Invalid 'temperature': must be between 0 and 2, got {temperature}.",
+            "temperature",
+            "invalid_value",
+        )
+    top_p = _number(body, "top_p")
+    if top_p is None:
+        top_p = 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(
+            f"Invalid 'top_p': must be in (0, 1], got {top_p}.", "top_p", "invalid_value"
+        )
+    seed = _int(body, "seed")
+
+    stream = _bool(body, "stream")
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _type_error("stream_options", "an object", opts)
+        if not stream:
+            raise bad_request(
+                "Invalid 'stream_options': only allowed when 'stream' is true.",
+                "stream_options",
+                "invalid_value",
+            )
+        for key in opts:
+            if key != "include_usage":
+                raise bad_request(
+                    f"Unrecognized stream option: {key}", "stream_options", "unrecognized_argument"
+                )
+        include_usage = _bool(opts, "include_usage")
+
+    return GenerationParams(
+        model=model,
+        max_tokens=max_tokens,
+        stop=_stop(body.get("stop")),
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _stop(v: object) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _type_error("stop", "a string or an array of strings", v)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"Invalid 'stop': at most {MAX_STOP_STRINGS} stop sequences, got {len(stops)}.",
+            "stop",
+            "invalid_value",
+        )
+    if any(s == "" for s in stops):
+        raise bad_request(
+            "Invalid 'stop': stop sequences must be non-empty.", "stop", "invalid_value"
+        )
+    return tuple(stops)
+
+
+def _prompt(v: object) -> str | list[int]:
+    """A string, an array of token ids, or either wrapped in a one-element array."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        if v == "":
+            raise bad_request("Invalid 'prompt': the prompt is empty.", "prompt", "empty_prompt")
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise bad_request("Invalid 'prompt': the prompt is empty.", "prompt", "empty_prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return list(v)
+        if all(isinstance(t, (str, list)) for t in v):
+            raise bad_request(
+                f"Unsupported parameter: a batch of {len(v)} prompts; this server takes one "
+                "prompt per request.",
+                "prompt",
+                "unsupported_parameter",
+            )
+    raise _type_error("prompt", "a string or an array of token ids", v)
+
+
+def _messages(v: object) -> list[dict[str, str]]:
+    if not isinstance(v, list):
+        raise _type_error("messages", "an array", v)
+    if not v:
+        raise bad_request(
+            "Invalid 'messages': empty array. Expected an array with at least 1 message.",
+            "messages",
+            "empty_array",
+        )
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _type_error(where, "an object", m)
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _type_error(f"{where}.role", "a string", role)
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"Invalid value for '{where}.role': {role!r}; supported roles are "
+                f"{', '.join(CHAT_ROLES)}.",
+                f"{where}.role",
+                "invalid_value",
+            )
+        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(v: object, where: str) -> str:
+    """Message content: a string, null, or an array of text parts (joined)."""
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        texts = []
+        for j, part in enumerate(v):
+            if not isinstance(part, dict):
+                raise _type_error(f"{where}[{j}]", "an object", part)
+            if part.get("type") != "text":
+                raise bad_request(
+                    f"Unsupported content part type {part.get('type')!r} in '{where}[{j}]': "
+                    "this server takes text only.",
+                    f"{where}[{j}].type",
+                    "unsupported_parameter",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _type_error(f"{where}[{j}].text", "a string", text)
+            texts.append(text)
+        return "".join(texts)
+    raise _type_error(where, "a string or an array of content parts", v)
