@@ -129,7 +129,7 @@ def build_engine(
             model,
             model,
             ScriptedRouter(),
-            large_num_slots=1,
+            large_num_slots=slots,
             scheduler=SchedulerConfig(b),
             **common,
         )

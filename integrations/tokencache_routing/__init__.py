@@ -2,10 +2,12 @@
 
 The small model decodes; a router escalates hard tokens; the large model catches up over the
 tokens written since its own cursor in one batched extend, emits the token, and the request
-resumes on the small side. Each model has its own RadixTree over its own KVPool.
+resumes on the small side. Each model has its own RadixTree over its own KVPool. Requests are
+submitted online (RoutedEngine.submit -> RequestHandle); generate() and stream() build on it.
 """
 
-from .engine import GenerateResult, RoutedEngine, Stats
+from .clock import GpuClock
+from .engine import RoutedEngine
 from .reference import reference_generate
 from .routers import (
     BernoulliRouter,
@@ -16,15 +18,21 @@ from .routers import (
     ScriptedRouter,
     Top1ProbRouter,
 )
+from .scheduler import SchedulerConfig
+from .state import GenerateResult, RequestHandle, SamplingParams, Stats
 
 __all__ = [
     "BernoulliRouter",
     "EntropyRouter",
     "GenerateResult",
+    "GpuClock",
     "NeuralRouter",
+    "RequestHandle",
     "RoutedEngine",
     "Router",
     "RouterFeatures",
+    "SamplingParams",
+    "SchedulerConfig",
     "ScriptedRouter",
     "Stats",
     "Top1ProbRouter",

@@ -1,41 +1,19 @@
-"""A routed request and the batched forward over a model side (shared by both run modes)."""
+"""Batch selection helpers and the batched forward over a model side (used by the scheduler)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tokencache_models import ForwardBatch, ForwardOutput
 
-from .kv import CursorKV, ModelSide
-from .naive import NaiveKV
+from .kv import KVHandle, ModelSide
 from .routers import Router, RouterFeatures
-
-KVHandle = CursorKV | NaiveKV
-
-
-class Request:
-    def __init__(self, rid: int, prompt: Sequence[int], max_new_tokens: int) -> None:
-        if len(prompt) == 0:
-            raise ValueError("prompts must not be empty")
-        self.rid = rid
-        self.prompt_len = len(prompt)
-        self.seq = np.empty(len(prompt) + max_new_tokens, dtype=np.int64)
-        self.seq[: len(prompt)] = np.asarray(prompt, dtype=np.int64)
-        self.n = len(prompt)
-        self.models: list[int] = []
-        self.kv: list[KVHandle] = []
-        self.parked_at: float = 0
-        self.admit_order = 0
-        self.held_catchup = False  # held out of a catch-up batch once: goes in the next one
-        self.aborted = False  # RoutedEngine.abort: dropped by whoever holds it next
-
-    @property
-    def num_generated(self) -> int:
-        return self.n - self.prompt_len
+from .state import Request
 
 
 def overlaps_prefill(r: Request, running: Sequence[Request], kind: int, page_size: int) -> bool:
@@ -92,24 +70,59 @@ def tokens_needed(batch: Sequence[Request], kind: int) -> int:
     return sum(r.n - r.kv[kind].length for r in batch)
 
 
-def run_forward(
-    side: ModelSide, batch: Sequence[Request], kind: int
-) -> tuple[ForwardOutput, float, int]:
-    """One forward over every request's tokens not yet in this model's KV (room already made);
-    returns (output, forward seconds, tokens computed). Handles are extended in one call."""
+@dataclass
+class PreparedForward:
+    """One forward's inputs with its new KV slots allocated. Whoever prepares it must end it
+    with commit() (the handles take the slots) or discard() (the slots go back): nothing leaks
+    when the forward, the router or a commit raises."""
+
+    side: ModelSide
+    batch: list[Request]
+    handles: list[KVHandle]
+    q_off: np.ndarray
+    kv_lens: np.ndarray  # per request: context after this forward
+    tokens: np.ndarray
+    new_slots: np.ndarray
+    fb: ForwardBatch
+    done: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q_off[-1])
+
+    def run(self) -> tuple[ForwardOutput, float]:
+        t0 = time.perf_counter()
+        out = self.side.model(self.fb, self.side.pool)
+        return out, time.perf_counter() - t0
+
+    def commit(self) -> None:
+        """Handles extended in one call (duplicates of cached tokens freed by the handles)."""
+        if self.done:
+            raise RuntimeError("forward already committed or discarded")
+        type(self.handles[0]).commit_many(  # type: ignore[attr-defined]
+            self.side, self.handles, self.q_off, self.tokens, self.new_slots
+        )
+        self.done = True
+
+    def discard(self) -> None:
+        if not self.done:
+            self.done = True
+            self.side.free(self.new_slots)
+
+
+def prepare_forward(side: ModelSide, batch: Sequence[Request], kind: int) -> PreparedForward:
+    """A forward over every request's tokens not yet in this model's KV (room already made)."""
     handles = [r.kv[kind] for r in batch]
     starts = np.fromiter((h.length for h in handles), np.int64, len(batch))
     ends = np.fromiter((r.n for r in batch), np.int64, len(batch))
-    q_lens = ends - starts
     q_off = np.zeros(len(batch) + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=q_off[1:])
+    np.cumsum(ends - starts, out=q_off[1:])
     tokens = np.concatenate([r.seq[s:e] for r, s, e in zip(batch, starts, ends, strict=True)])
     positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-    new_slots = side.pool.alloc(int(q_off[-1])).numpy()
+    new_slots = side.alloc(int(q_off[-1]))
     parts: list[np.ndarray] = []
     for i, h in enumerate(handles):  # each request: its kept slot row, then its new slots
         parts += (h.slots(), new_slots[q_off[i] : q_off[i + 1]])
-    kv = np.concatenate(parts)
     kv_off = np.zeros(len(batch) + 1, dtype=np.int64)
     np.cumsum(ends, out=kv_off[1:])
     fb = ForwardBatch(
@@ -117,26 +130,43 @@ def run_forward(
         positions=torch.from_numpy(positions),
         out_slots=torch.from_numpy(new_slots),
         q_offsets=torch.from_numpy(q_off),
-        kv_slots=torch.from_numpy(kv),
+        kv_slots=torch.from_numpy(np.concatenate(parts)),
         kv_offsets=torch.from_numpy(kv_off),
     )
-    t0 = time.perf_counter()
-    out = side.model(fb, side.pool)
-    dt = time.perf_counter() - t0
-    type(handles[0]).commit_many(side, handles, q_off, tokens, new_slots)  # type: ignore[arg-type]
-    return out, dt, int(q_off[-1])
+    return PreparedForward(side, list(batch), handles, q_off, ends, tokens, new_slots, fb)
+
+
+def sample(logits: torch.Tensor, batch: Sequence[Request]) -> torch.Tensor:
+    """Next token per row: argmax for greedy requests, else a draw from the request's own
+    seeded generator (temperature, then the top_p nucleus)."""
+    tok = logits.argmax(-1)
+    for i, r in enumerate(batch):
+        sp = r.sampling
+        if sp.greedy:
+            continue
+        if r.generator is None:
+            r.generator = torch.Generator(device="cpu")
+            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)))
+            r.generator.manual_seed(seed)
+        probs = torch.softmax(logits[i].float().cpu() / sp.temperature, dim=-1)
+        if sp.top_p < 1:
+            p_sorted, order = probs.sort(descending=True)
+            keep = p_sorted.cumsum(0) - p_sorted < sp.top_p  # the top token always stays
+            probs = torch.zeros_like(probs).scatter(0, order[keep], p_sorted[keep])
+        tok[i] = torch.multinomial(probs, 1, generator=r.generator).to(tok.device)[0]
+    return tok
 
 
 def route_step(
     router: Router, out: ForwardOutput, batch: Sequence[Request]
 ) -> tuple[torch.Tensor, list[bool]]:
     """One small-model step's greedy tokens and the router's escalate answers."""
-    tok = out.logits.argmax(-1)
+    tok = sample(out.logits, batch)
     feats = RouterFeatures(
         logits=out.logits,
         hidden=out.hidden,
         tokens=tok,
         positions=torch.tensor([r.num_generated for r in batch], dtype=torch.int64),
-        rids=torch.tensor([r.rid for r in batch], dtype=torch.int64),
+        rids=torch.tensor([r.route_key for r in batch], dtype=torch.int64),
     )
     return tok, router.route(feats).tolist()

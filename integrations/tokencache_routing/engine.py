@@ -1,96 +1,62 @@
-"""RoutedEngine: a deterministic single-threaded event loop interleaving a small and a large model.
+"""RoutedEngine: two models, one scheduler, and an online API (submit -> handle).
 
-Per request, one KV handle per model (a tokencache Cursor, or the naive SGLang-style protocol).
-Each loop iteration runs one small-model step over the requests it holds and, when the delayed
-batching policy says so, one large-model catch-up batch over parked requests. With
-dispatch="tokencache" the two run side by side (no barrier: the small model keeps decoding the
-others); with dispatch="naive" or "naive-sglang" every step waits for the large model
-(synchronous barrier).
-Time on two devices is modelled from the measured forward times (CPU runs them in turn).
+Each model has its own RadixTree over its own KVPool; a request keeps a handle in each (a
+tokencache Cursor, or the naive SGLang-style protocol). Requests are submitted at any time from
+any thread; a driver runs the scheduler: the deterministic event loop here (inline in the
+caller's thread, or in a background thread after start()), or mode="threaded" (workers.py: one
+thread per model). generate() and stream() are built on submit().
+
+The event loop keeps an engine clock: clock="steps" (a small step costs 1, a catch-up
+large_step_cost: reproducible schedules), "measured" (forward wall times) or "gpu" (a GpuClock:
+forwards priced at real model shapes on a GPU cost profile, so a CPU run judges a schedule by
+GPU-shaped costs). topology="one-device" runs each catch-up between two small steps (its
+requests rejoin the very next step); "two-devices" overlaps the models (a catch-up's requests
+rejoin once the large model's clock says it finished). The naive dispatchers add a synchronous
+barrier: every step waits for every parked request's catch-up.
 """
 
 from __future__ import annotations
 
+import math
+import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tokencache_models import CausalLM, ForwardOutput, KVPool
+import numpy as np
 
-from .batch import (
-    Request,
-    attach_all,
-    overlaps_prefill,
-    route_step,
-    run_forward,
-    take_catchup_batch,
-    tokens_needed,
-)
+from tokencache_models import CausalLM, KVPool
+
+from .batch import PreparedForward
+from .clock import GpuClock
 from .kv import CursorKV, ModelSide
 from .naive import NaiveKV
 from .routers import Router
-from .scheduler import SchedulerConfig
-from .workers import run_threaded
+from .scheduler import Scheduler, SchedulerConfig, WaitForMemory
+from .state import (
+    GREEDY,
+    LARGE,
+    SMALL,
+    GenerateResult,
+    Request,
+    RequestHandle,
+    SamplingParams,
+    Stats,
+    as_token_array,
+)
 
-SMALL, LARGE = 0, 1
 # "naive-sglang": the naive protocol through SGLang's own RadixCache (naive_sglang.py).
 DISPATCHES = ("tokencache", "naive", "naive-sglang")
-_Request = Request  # the old private name
+CLOCKS = ("steps", "measured", "gpu")
+TOPOLOGIES = ("one-device", "two-devices")
+_POLL_S = 0.02
 
 
-@dataclass
-class Stats:
-    steps: int = 0
-    tokens: int = 0
-    escalations: int = 0
-    preemptions: int = 0
-    aborted: int = 0  # requests stopped by RoutedEngine.abort while the engine still held them
-    wall_s: float = 0.0
-    small_forward_s: float = 0.0
-    large_forward_s: float = 0.0
-    bookkeeping_s: float = 0.0  # inside tokencache calls (tree and cursor operations)
-    small_tokens: int = 0  # tokens the small model computed (prefills, catch-ups and decodes)
-    held_back: int = 0  # admissions delayed a step so a shared prefix is prefilled once
-    large_held_back: int = 0  # first catch-ups held a batch so a shared prefix is prefilled once
-    modeled_s: float = 0.0  # two devices: the models overlap unless there is a barrier
-    small_idle_s: float = 0.0  # modelled time the small model waits for the large one
-    catchup_batch_sizes: list[int] = field(default_factory=list)
-    catchup_tokens: list[int] = field(default_factory=list)  # tokens prefilled per catch-up
-
-    @property
-    def bookkeeping_share(self) -> float:
-        busy = self.small_forward_s + self.large_forward_s + self.bookkeeping_s
-        return self.bookkeeping_s / busy if busy else 0.0
-
-    @property
-    def small_idle_share(self) -> float:
-        return self.small_idle_s / self.modeled_s if self.modeled_s else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def modeled_tokens_per_s(self) -> float:
-        return self.tokens / self.modeled_s if self.modeled_s else 0.0
-
-
-@dataclass
-class GenerateResult:
-    tokens: list[list[int]]
-    models: list[list[int]]  # per token: 0 = small model, 1 = large model
-    texts: list[str] | None
-    stats: Stats
-    # per request: "length" (max_new_tokens), "stop" (eos) or "abort" (RoutedEngine.abort; its
-    # tokens are those delivered before the abort)
-    finished_reasons: list[str] = field(default_factory=list)
-
-    @property
-    def aborted(self) -> list[bool]:
-        return [f == "abort" for f in self.finished_reasons]
+def _positive_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
 
 
 class RoutedEngine:
@@ -106,9 +72,10 @@ class RoutedEngine:
         tokenizer: Any = None,
         eos_token_id: int | None = None,
         page_size: int = 1,
-        clock: str = "steps",
+        clock: str | GpuClock = "steps",
         large_step_cost: float = 1.0,
         mode: str = "events",
+        topology: str | None = None,
     ) -> None:
         if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch must be one of {', '.join(map(repr, DISPATCHES))}")
@@ -116,41 +83,78 @@ class RoutedEngine:
             raise ValueError("mode must be 'events' (deterministic) or 'threaded'")
         if mode == "threaded" and dispatch != "tokencache":
             raise ValueError("mode='threaded' needs dispatch='tokencache' (naive has a barrier)")
-        # mode="threaded": one worker thread per model (workers.py), really overlapping; the
-        # event loop stays the default because its schedules are reproducible.
-        self.mode = mode
         if small.config.vocab_size != large.config.vocab_size:
             raise ValueError("small and large models must share a vocabulary")
-        if clock not in ("steps", "measured"):
-            raise ValueError("clock must be 'steps' (deterministic) or 'measured'")
-        # clock="steps": a small step costs 1 and a catch-up large_step_cost, so schedules (not
-        # just tokens) are reproducible; "measured" uses the measured step times (benchmarks).
-        self.clock = clock
-        self.large_step_cost = large_step_cost
-        self.router = router
+        if not isinstance(clock, GpuClock) and clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS} or a GpuClock, got {clock!r}")
+        if topology is None:
+            topology = "one-device" if small.device == large.device else "two-devices"
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+        cost = large_step_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost > 0:
+            raise ValueError(f"large_step_cost must be a positive number, got {cost!r}")
+        if not math.isfinite(cost):
+            raise ValueError(f"large_step_cost must be finite, got {cost!r}")
+        if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
+            raise TypeError("scheduler must be a SchedulerConfig")
+        n_small = _positive_int("num_slots", num_slots)
+        n_large = (
+            n_small
+            if large_num_slots is None
+            else _positive_int("large_num_slots", large_num_slots)
+        )
+        page_size = _positive_int("page_size", page_size)
+        self.mode = mode
         self.dispatch = dispatch
-        self.sched = scheduler or SchedulerConfig()
+        self.router = router
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
-        n_large = large_num_slots or num_slots
+        self.topology = topology
+        self.large_step_cost = float(cost)
+        self.gpu_clock = (
+            GpuClock() if clock == "gpu" else clock if isinstance(clock, GpuClock) else None
+        )
+        self.clock = "gpu" if self.gpu_clock is not None else str(clock)
+        self.vocab_size = int(small.config.vocab_size)
+
         side_cls: type[ModelSide] = ModelSide
-        self._handle_cls: type = CursorKV if dispatch == "tokencache" else NaiveKV
+        handle_cls: Any = CursorKV if dispatch == "tokencache" else NaiveKV
         if dispatch == "naive-sglang":
             from .naive_sglang import NaiveSGLangKV, SGLangSide  # imports sglang
 
-            side_cls, self._handle_cls = SGLangSide, NaiveSGLangKV
+            side_cls, handle_cls = SGLangSide, NaiveSGLangKV
         self.sides = (
-            side_cls("small", small, small.make_kv_pool(num_slots), page_size),
+            side_cls("small", small, small.make_kv_pool(n_small), page_size),
             side_cls("large", large, large.make_kv_pool(n_large), page_size),
         )
-        # abort(): the current stream's requests; what the caller has been given or cut off
-        self._abort_lock = threading.Lock()
-        self._reqs: list[Request] | None = None
-        self._aborted: set[int] = set()  # aborted by the caller: no further events
-        self._done: set[int] = set()  # last token delivered to the caller
-        self._delivered: list[int] = []
-        self._abort_queue: list[int] = []  # event loop: applied at the top of each iteration
-        self._wake_workers: Callable[[], None] | None = None  # threaded: set by run_threaded
+        for s in self.sides:
+            s.sync_cuda = self.clock == "measured" and s.model.device.type == "cuda"
+        self.sched = Scheduler(
+            self.sides,
+            scheduler or SchedulerConfig(),
+            router,
+            handle_cls,
+            barrier=dispatch != "tokencache",
+            holdback=dispatch == "tokencache",
+        )
+        # A request needs at most prompt + max_new_tokens - 1 slots in each model.
+        self.max_context = min(n_small, n_large) + 1
+
+        self._inbox: list[Request] = []  # submitted, not yet seen by the scheduler
+        self._inbox_lock = threading.Lock()
+        self._next_rid = 0
+        self._drive_lock = threading.Lock()  # one inline driver at a time
+        self._driver_lock = threading.Lock()  # starting / stopping driver threads
+        self._driver: Any = None  # a thread (events) or workers.ThreadedDriver
+        self._persistent = False  # start() was called: the driver runs until shutdown()
+        self._closed = False
+        self._current: list[RequestHandle] = []  # the latest stream: abort(int) indexes it
+        # engine clocks (event loop): the small model's, the large model's, a catch-up's end
+        self._t_small = self._t_large = self._done_at = 0.0
+        self._wall0 = time.perf_counter()
+
+    # ---------------------------------------------------------------- properties
 
     @property
     def small(self) -> ModelSide:
@@ -160,306 +164,499 @@ class RoutedEngine:
     def large(self) -> ModelSide:
         return self.sides[LARGE]
 
+    @property
+    def stats(self) -> Stats:
+        """The engine's counters since construction."""
+        return self.sched.stats
+
+    @property
+    def sched_config(self) -> SchedulerConfig:
+        return self.sched.cfg
+
     def pools(self) -> tuple[KVPool, KVPool]:
         return self.small.pool, self.large.pool
 
     def idle_invariant(self) -> bool:
-        return all(s.idle_invariant() for s in self.sides)
+        """Nothing runs and nothing leaked: every slot free or cached, nothing pinned."""
+        with self.sched.lock:
+            idle = not self.sched.has_work()
+            return idle and all(s.idle_invariant() for s in self.sides)
 
-    # ---------------------------------------------------------------- public API
+    def now(self) -> float:
+        """The engine clock: modelled (event loop) or wall time since construction (threaded)."""
+        if self.mode == "threaded":
+            return time.perf_counter() - self._wall0
+        return max(self._t_small, self._t_large)
+
+    # ---------------------------------------------------------------- online API
+
+    def submit(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+        route_key: int | None = None,
+    ) -> RequestHandle:
+        """Queues a request and returns its handle; validated here, before any work.
+        route_key: the id routers see (RouterFeatures.rids); defaults to the handle's rid."""
+        req = self._make_request(prompt, max_new_tokens, sampling, stop_token_ids, route_key)
+        self._enqueue([req])
+        assert req.handle is not None
+        return req.handle
+
+    def start(self) -> None:
+        """Runs the driver in background threads until shutdown() (for servers)."""
+        with self._driver_lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            self._persistent = True
+        self._ensure_driver()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Aborts every unfinished request, releases its KV and stops the driver threads."""
+        with self._driver_lock:
+            self._closed = True
+            self._persistent = False
+            driver = self._driver
+        with self._inbox_lock:
+            pending = list(self._inbox)
+        for r in pending + self.sched.active() + list(self.sched.waiting):
+            self._abort_request(r)
+        if driver is not None:
+            driver.wake()
+            driver.join(timeout)
+        self._flush_aborts()
+
+    def metrics(self) -> dict[str, float]:
+        st, s = self.stats, self.sched
+        with s.lock:
+            out: dict[str, float] = {
+                "requests_submitted": self._next_rid,
+                "requests_running": len(s.active()),
+                "requests_waiting": len(s.waiting) + len(self._inbox),
+                "tokens_generated": st.tokens,
+                "escalations": st.escalations,
+                "catchups": len(st.catchup_batch_sizes),
+                "preemptions": st.preemptions,
+                "requests_aborted": st.aborted,
+                "requests_failed": st.failed,
+                "small_steps": st.steps,
+                "small_batch_occupancy": st.small_batch_occupancy,
+                "bookkeeping_share": st.bookkeeping_share,
+                "engine_clock_s": self.now(),
+            }
+            for side in self.sides:
+                cached = side.cached_size()
+                out[f"{side.name}_kv_slots_free"] = side.pool.available
+                out[f"{side.name}_kv_slots_cached"] = cached
+                out[f"{side.name}_kv_slots_used"] = side.pool.num_slots - side.pool.available
+                out[f"{side.name}_kv_slots_pinned"] = side.pinned_size()
+                out[f"{side.name}_kv_slots_total"] = side.pool.num_slots
+        return out
+
+    # ---------------------------------------------------------------- batch API
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> GenerateResult:
+        start, t0 = self.stats.copy(), time.perf_counter()
+        m0 = self.now()
         tokens: list[list[int]] = [[] for _ in prompts]
         models: list[list[int]] = [[] for _ in prompts]
-        self.stats = Stats()
         for rid, tok, model in self.stream(prompts, max_new_tokens):
             tokens[rid].append(tok)
             models[rid].append(model)
-        texts = None
-        if self.tokenizer is not None:
-            texts = [self.tokenizer.decode(t) for t in tokens]
-        reasons = [
-            "abort"
-            if rid in self._aborted
-            else "stop"
-            if t and t[-1] == self.eos_token_id
-            else "length"
-            for rid, t in enumerate(tokens)
-        ]
-        return GenerateResult(tokens, models, texts, self.stats, reasons)
-
-    def abort(self, rid: int) -> bool:
-        """Stops request `rid` (its index in the prompts) of the current stream: no further
-        events for it, its KV released in both models (cached prefix stays in the trees). Callable
-        between events, from the router or another thread. Returns False (a no-op) when the
-        request's last token was already delivered or it was already aborted; raises ValueError
-        for an index outside the stream and RuntimeError when no stream has started."""
-        reqs = self._reqs
-        if reqs is None:
-            raise RuntimeError("abort: no stream has started on this engine")
-        if not isinstance(rid, int) or not 0 <= rid < len(reqs):
-            raise ValueError(f"abort: unknown request {rid!r} (the stream has {len(reqs)})")
-        with self._abort_lock:
-            if rid in self._done or rid in self._aborted:
-                return False
-            self._aborted.add(rid)
-            reqs[rid].aborted = True  # read by the threaded workers
-            self._abort_queue.append(rid)
-            wake = self._wake_workers
-        if wake is not None:
-            wake()
-        return True
+        handles = self._current
+        stats = self.stats.since(start)
+        stats.wall_s = time.perf_counter() - t0
+        stats.modeled_s = self.now() - m0 if self.mode == "events" else stats.wall_s
+        texts = [self.tokenizer.decode(t) for t in tokens] if self.tokenizer is not None else None
+        reasons = [h.finished_reason or "abort" for h in handles]
+        return GenerateResult(tokens, models, texts, stats, reasons)
 
     def stream(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int
     ) -> Iterator[tuple[int, int, int]]:
-        """Yields (request index, token, model) as tokens are committed; stats in self.stats.
-        `abort(rid)` stops a request: no event for it is yielded after the call."""
-        reqs = [_Request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
-        with self._abort_lock:
-            self._reqs = reqs
-            self._aborted, self._done, self._abort_queue = set(), set(), []
-            self._delivered = [0] * len(reqs)
-            self._wake_workers = None
-        inner = self._run(reqs, max_new_tokens)
+        """Yields (prompt index, token, model) as tokens are committed. abort(i) stops the
+        i-th request: no event for it is yielded after the call. A request that failed raises
+        its error here (the others are aborted)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a sequence of token-id sequences")
+        reqs = [self._make_request(p, max_new_tokens, None, (), i) for i, p in enumerate(prompts)]
+        handles = [r.handle for r in reqs]
+        assert all(h is not None for h in handles)
+        return self._stream(reqs, handles)  # type: ignore[arg-type]
+
+    def _stream(
+        self, reqs: list[Request], handles: list[RequestHandle]
+    ) -> Iterator[tuple[int, int, int]]:
+        self._current = handles
+        news: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i, h in enumerate(handles):
+            h.add_listener(lambda _h, i=i: news.put(i))
+        self._enqueue(reqs)
+        seen = [0] * len(reqs)
+        left = {i for i, r in enumerate(reqs) if r.finished_reason is None or r.tokens}
         try:
-            for ev in inner:
-                rid, tok = ev[0], ev[1]
-                with self._abort_lock:
-                    if rid in self._aborted:
-                        continue
-                    self._delivered[rid] += 1
-                    if self._delivered[rid] >= max_new_tokens or tok == self.eos_token_id:
-                        self._done.add(rid)
-                yield ev
-            with self._abort_lock:
-                self._done.update(range(len(reqs)))
+            while left:
+                try:
+                    i = news.get_nowait()
+                except queue.Empty:
+                    self._progress(lambda: not news.empty())
+                    continue
+                r = reqs[i]
+                with r.cond:
+                    new = list(zip(r.tokens[seen[i] :], r.token_models[seen[i] :], strict=True))
+                    done = r.finished_reason is not None
+                seen[i] += len(new)
+                for tok, model in new:
+                    if r.abort_requested:
+                        break
+                    yield i, tok, model
+                if done and seen[i] >= len(r.tokens):
+                    left.discard(i)
+                    if r.finished_reason == "error" and r.error is not None:
+                        raise r.error
         finally:
-            inner.close()  # an abandoned stream still joins the threaded mode's workers
+            for r in reqs:
+                if r.finished_reason is None:
+                    self._abort_request(r)
+            self._flush_aborts()
+            self._join_idle_driver()
 
-    def _run(self, reqs: list[Request], max_new_tokens: int) -> Iterator[tuple[int, int, int]]:
-        self.stats = st = Stats()
-        for s in self.sides:
-            s.bookkeeping_s = 0.0
-        self._max_new = max_new_tokens
-        self._waiting: deque[_Request] = deque(reqs)
-        self._running: list[_Request] = []  # on the small side
-        self._parked: list[_Request] = []  # waiting for the large model
-        self._small_batch: list[_Request] = []
-        self._large_batch: list[_Request] = []
-        self._inflight: list[_Request] = []  # catch-up computed, token not yet delivered
-        self._admit_blocked = False
-        self._admitted = 0
-        t_start = time.perf_counter()
-        if max_new_tokens <= 0:
+    def _join_idle_driver(self, timeout: float = 30.0) -> None:
+        """Threaded mode without start(): the workers stop once idle; wait for them, so a
+        generate() leaves no thread behind."""
+        d = self._driver
+        if self._persistent or d is None:
             return
-        if self.mode == "threaded":
-            yield from run_threaded(self, reqs, max_new_tokens, st)
-            st.wall_s = time.perf_counter() - t_start
-            st.bookkeeping_s = sum(s.bookkeeping_s for s in self.sides)
-            st.modeled_s = st.wall_s  # real overlap: the measured time is the two-device time
-            return
-        # Two device clocks. A catch-up batch is computed when it launches (the CPU runs the
-        # models in turn) but its requests rejoin the small side only once the large model's
-        # clock says it finished; meanwhile the small model keeps stepping the others.
-        t_small = t_large = done_at = 0.0
-        while self._waiting or self._running or self._parked or self._inflight:
-            self._apply_aborts()
-            if self._inflight and done_at <= t_small:
-                self._running += self._inflight
-                self._inflight = []
-            self._admit()
-            events: list[tuple[int, int, int]] = []
-            if self.dispatch != "tokencache":  # both naive dispatches
-                if self._parked:  # synchronous barrier: the small model waits for every catch-up
-                    self._large_batch, self._parked = self._parked, []
-                    d_large = self._cost(self._large_step, events, LARGE)
-                    st.small_idle_s += d_large
-                    t_small += d_large
-                if self._running:
-                    t_small += self._cost(self._small_step, events, SMALL)
-                t_large = t_small
-            else:
-                wait = st.steps - self._parked[0].parked_at if self._parked else 0
-                has_work = bool(self._running)
-                if not self._inflight and self.sched.launch_large(
-                    len(self._parked), wait, has_work
-                ):
-                    cap = self.sched.max_large_batch or len(self._parked)
-                    self._large_batch, self._parked, held = take_catchup_batch(
-                        self._parked, cap, LARGE, self.large.tree.page_size
-                    )
-                    st.large_held_back += len(held)
-                    returning = list(self._large_batch)
-                    d_large = self._cost(self._large_step, events, LARGE)
-                    done_at = t_large = max(t_large, t_small) + d_large
-                    self._inflight = [r for r in returning if r in self._running]
-                    self._running = [r for r in self._running if r not in self._inflight]
-                if self._running:
-                    t_small += self._cost(self._small_step, events, SMALL)
-                elif self._inflight:  # nothing else to run: idle until the catch-up is back
-                    st.small_idle_s += done_at - t_small
-                    t_small = done_at
-            yield from events
-        st.wall_s = time.perf_counter() - t_start
-        st.bookkeeping_s = sum(s.bookkeeping_s for s in self.sides)
-        st.modeled_s = max(t_small, t_large)
+        d.wake()
+        d.join(timeout)
 
-    def _cost(
+    def abort(self, rid: int | RequestHandle) -> bool:
+        """Stops a request: a RequestHandle, or an index into the latest stream()/generate()'s
+        prompts. Returns False (a no-op) when it already finished or was aborted."""
+        if isinstance(rid, RequestHandle):
+            return rid.abort()
+        if isinstance(rid, bool) or not isinstance(rid, (int, np.integer)):
+            raise TypeError(f"abort: a request index (int) or RequestHandle, got {rid!r}")
+        if not self._current:
+            raise RuntimeError("abort: no stream has started on this engine")
+        if not 0 <= rid < len(self._current):
+            raise ValueError(
+                f"abort: unknown request {rid!r} (the stream has {len(self._current)})"
+            )
+        return self._current[int(rid)].abort()
+
+    # ---------------------------------------------------------------- requests
+
+    def _make_request(
         self,
-        step: Callable[[list[tuple[int, int, int]]], float],
-        events: list[tuple[int, int, int]],
-        kind: int,
-    ) -> float:
-        """Runs a step; its duration on the modelled clock (measured, or fixed step units)."""
-        t0 = time.perf_counter()
-        ran = step(events)
+        prompt: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        sampling: SamplingParams | None,
+        stop_token_ids: Sequence[int],
+        route_key: int | None,
+    ) -> Request:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        m = max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+            raise TypeError(f"max_new_tokens must be an int, got {m!r}")
+        if m < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {m}")
+        arr = as_token_array(prompt, self.vocab_size)
+        if len(arr) + m > self.max_context:
+            raise ValueError(
+                f"prompt ({len(arr)} tokens) + max_new_tokens ({m}) can never fit: the KV pools "
+                f"hold {self.max_context - 1} tokens (small {self.small.pool.num_slots}, large "
+                f"{self.large.pool.num_slots})"
+            )
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError("sampling must be a SamplingParams")
+        stops = (
+            set(as_token_array(list(stop_token_ids), self.vocab_size)) if stop_token_ids else set()
+        )
+        if self.eos_token_id is not None:
+            stops.add(int(self.eos_token_id))
+        with self._inbox_lock:
+            rid = self._next_rid
+            self._next_rid += 1
+        key = rid if route_key is None else int(route_key)
+        req = Request(rid, key, arr, int(m), sampling or GREEDY, frozenset(int(s) for s in stops))
+        req.submitted_at = self.now()
+        RequestHandle(req, self)
+        if m == 0:
+            req.finished_reason = "length"
+        return req
+
+    def _enqueue(self, reqs: list[Request]) -> None:
+        live = [r for r in reqs if r.finished_reason is None]
+        with self._inbox_lock:
+            self._inbox += live
+        for r in reqs:
+            if r.finished_reason is not None:
+                self._notify([r])
+        if live:
+            self._ensure_driver()
+
+    def _abort_request(self, r: Request) -> bool:
+        with r.cond:
+            if r.finished_reason is not None or r.abort_requested:
+                return False
+            r.abort_requested = True
+        driver = self._driver
+        if driver is not None:
+            driver.wake()
+        return True
+
+    def _flush_aborts(self, force: bool = False) -> None:
+        """Applies pending aborts now when no driver thread will (inline use)."""
+        if self._driver_alive() and not force:
+            return
+        with self.sched.lock:
+            self._intake()
+            self.sched.apply_aborts()
+            touched = self.sched.take_touched()
+        self._notify(touched)
+
+    def _notify(self, reqs: list[Request]) -> None:
+        seen: set[int] = set()
+        for r in reqs:
+            if r.rid in seen:
+                continue
+            seen.add(r.rid)
+            with r.cond:
+                r.cond.notify_all()
+                listeners = list(r.listeners)
+            for fn in listeners:
+                assert r.handle is not None
+                fn(r.handle)
+
+    # ---------------------------------------------------------------- driving
+
+    def _driver_alive(self) -> bool:
+        d = self._driver
+        return d is not None and d.alive()
+
+    def _ensure_driver(self) -> None:
+        """Threaded mode and start(): make sure the driver threads run."""
+        if self.mode == "events" and not self._persistent:
+            return
+        with self._driver_lock:
+            if self._driver is not None and self._driver.alive():
+                self._driver.wake()
+                return
+            if self.mode == "threaded":
+                from .workers import ThreadedDriver
+
+                self._driver = ThreadedDriver(self)
+            else:
+                self._driver = _EventLoopThread(self)
+            self._driver.start()
+
+    def _driver_should_exit(self) -> bool:
+        """Called by an idle driver thread: exit unless start() keeps it (under _driver_lock
+        so a racing submit either sees it alive or starts a new one)."""
+        with self._driver_lock, self._inbox_lock:
+            if self._persistent or self._inbox:
+                return False
+            with self.sched.lock:
+                if self.sched.has_work():
+                    return False
+            self._driver = None
+            return True
+
+    def _wait(self, r: Request, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while r.finished_reason is None:
+            left = None if deadline is None else deadline - time.perf_counter()
+            if left is not None and left <= 0:
+                return False
+            self._progress(lambda: r.finished_reason is not None, left)
+        return True
+
+    def _wait_for_progress(self, r: Request, seen: int) -> None:
+        self._progress(lambda: len(r.tokens) > seen or r.finished_reason is not None)
+
+    def _progress(self, ready: Any, timeout: float | None = None) -> None:
+        """Drives one iteration inline, or waits a little for a driver thread."""
+        if ready():
+            return
+        step = _POLL_S if timeout is None else min(_POLL_S, timeout)
+        if self._driver_alive() or self.mode == "threaded":
+            self._ensure_driver()
+            time.sleep(step / 4)
+            return
+        if self._drive_lock.acquire(blocking=False):
+            try:
+                worked = self.iterate()
+            finally:
+                self._drive_lock.release()
+            if not worked and not ready():
+                time.sleep(step / 4)  # another thread's requests, or nothing yet
+        else:
+            time.sleep(step / 4)
+
+    def _intake(self) -> None:
+        with self._inbox_lock:
+            new, self._inbox = self._inbox, []
+        for r in new:
+            self.sched.add(r)
+
+    def iterate(self) -> bool:
+        """One event-loop iteration (admission, maybe a catch-up, a small step); False when
+        there was nothing to do."""
+        s = self.sched
+        with s.lock:
+            try:
+                worked = self._iterate_locked()
+            finally:
+                touched = s.take_touched()
+        self._notify(touched)  # outside the scheduler lock: listeners may abort
+        return worked
+
+    def _iterate_locked(self) -> bool:
+        s = self.sched
+        self._intake()
+        s.apply_aborts()
+        if s.inflight and self._done_at <= self._t_small:
+            s.running += s.inflight
+            s.inflight = []
+        s.admit()
+        if not s.has_work():
+            return False
+        if s.barrier:
+            self._barrier_iteration()
+        elif self.topology == "two-devices":
+            self._overlapped_iteration()
+        else:
+            self._serial_iteration()
+        s.stats.bookkeeping_s = sum(side.bookkeeping_s for side in self.sides)
+        s.stats.modeled_s = self.now()
+        return True
+
+    def _barrier_iteration(self) -> None:
+        s, st = self.sched, self.sched.stats
+        if s.parked:  # synchronous barrier: the small model waits for every catch-up
+            d, back = self._run_large(self._t_small)
+            st.small_idle_s += d
+            self._t_small += d
+            s.running += back
+        if s.running:
+            self._t_small += self._run_small(self._t_small)
+        self._t_large = self._t_small
+
+    def _serial_iteration(self) -> None:
+        """One device: a catch-up runs between two small steps; its requests rejoin the next."""
+        s, st = self.sched, self.sched.stats
+        wait = st.steps - s.parked[0].parked_step if s.parked else 0
+        if s.cfg.launch_large(len(s.parked), wait, bool(s.running)):
+            d, back = self._run_large(self._t_small)
+            if s.running:
+                st.small_idle_s += d
+            self._t_small += d
+            s.running += back
+        if s.running:
+            self._t_small += self._run_small(self._t_small)
+        self._t_large = self._t_small
+
+    def _overlapped_iteration(self) -> None:
+        """Two devices: a catch-up computed now rejoins when the large clock says it ended;
+        meanwhile the small model keeps stepping the others."""
+        s, st = self.sched, self.sched.stats
+        wait = st.steps - s.parked[0].parked_step if s.parked else 0
+        if not s.inflight and s.cfg.launch_large(len(s.parked), wait, bool(s.running)):
+            start = max(self._t_large, self._t_small)
+            d, back = self._run_large(start)
+            self._done_at = self._t_large = start + d
+            s.inflight = back
+        if s.running:
+            self._t_small += self._run_small(self._t_small)
+        elif s.inflight:  # nothing else to run: idle until the catch-up is back
+            st.small_idle_s += self._done_at - self._t_small
+            self._t_small = self._done_at
+
+    def _cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
+        if self.gpu_clock is not None:
+            kv = int(prep.kv_lens.sum())
+            return self.gpu_clock.forward_s(kind, len(prep.batch), prep.num_tokens, kv)
         if self.clock == "measured":
-            return time.perf_counter() - t0
-        if not ran:
-            return 0.0
+            return measured_s
         return 1.0 if kind == SMALL else self.large_step_cost
 
-    # ---------------------------------------------------------------- internals
+    def _run_small(self, t: float) -> float:
+        s = self.sched
+        try:
+            prep = s.schedule_small()
+        except WaitForMemory:  # nothing is busy in the event loop
+            raise RuntimeError("event loop: memory held by a busy request") from None
+        if prep is None:
+            return 0.0
+        try:
+            out, dt = prep.run()
+        except BaseException as e:
+            s.abandon(prep, e)
+            if not isinstance(e, Exception):
+                raise
+            return 0.0
+        s.stats.small_forward_s += dt
+        cost = self._cost(SMALL, prep, dt)
+        parked = s.finish_small(prep, out, t + cost)
+        for r in parked:
+            r.parked_step = s.stats.steps
+        return cost
 
-    def _apply_aborts(self) -> None:
-        """Event loop: drop aborted requests wherever they wait (admission, the small side,
-        parked, a catch-up in flight) and release their KV in both models."""
-        with self._abort_lock:
-            rids, self._abort_queue = self._abort_queue, []
-        for rid in rids:
-            r = self._reqs[rid]  # type: ignore[index]
-            held = False
-            for lst in (self._waiting, self._running, self._parked, self._inflight):
-                if r in lst:
-                    lst.remove(r)
-                    held = True
-            if not held:  # finished already (its last events not yet delivered)
+    def _run_large(self, t: float) -> tuple[float, list[Request]]:
+        s = self.sched
+        try:
+            prep = s.schedule_large()
+        except WaitForMemory:
+            raise RuntimeError("event loop: memory held by a busy request") from None
+        if prep is None:
+            return 0.0, []
+        try:
+            out, dt = prep.run()
+        except BaseException as e:
+            s.abandon(prep, e)
+            if not isinstance(e, Exception):
+                raise
+            return 0.0, []
+        s.stats.large_forward_s += dt
+        cost = self._cost(LARGE, prep, dt)
+        return cost, s.finish_large(prep, out, t + cost)
+
+
+class _EventLoopThread:
+    """start(): the event loop in a background thread, sleeping while there is no work."""
+
+    def __init__(self, eng: RoutedEngine) -> None:
+        self.eng = eng
+        self.event = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="tokencache-events", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def wake(self) -> None:
+        self.event.set()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    def run(self) -> None:
+        eng = self.eng
+        while True:
+            self.event.clear()
+            with eng._drive_lock:
+                worked = eng.iterate()
+            if worked:
                 continue
-            for h in r.kv:  # never admitted or preempted: no handles, or released ones
-                h.release(r.seq)
-            self.stats.aborted += 1
-            self._admit_blocked = False  # memory came back, as when a request finishes
-
-    def _admit(self) -> None:
-        if self._admit_blocked and (self._running or self._parked or self._inflight):
-            return
-        self._admit_blocked = False
-        while (
-            self._waiting
-            and len(self._running) + len(self._parked) + len(self._inflight)
-            < self.sched.max_running
-        ):
-            r = self._waiting[0]
-            if self.dispatch == "tokencache" and overlaps_prefill(
-                r, self._running, SMALL, self.small.tree.page_size
-            ):
-                self.stats.held_back += 1
-                break
-            self._waiting.popleft()
-            r.kv = [self._handle_cls(self.small), self._handle_cls(self.large)]
-            r.admit_order = self._admitted
-            self._admitted += 1
-            self._running.append(r)
-
-    def _preempt(self, r: _Request) -> None:
-        """Drop a request's KV in both models; it is recomputed from its tokens later."""
-        for h in r.kv:
-            h.release(r.seq)
-        lists = (self._running, self._parked, self._inflight, self._small_batch, self._large_batch)
-        for lst in lists:
-            if r in lst:
-                lst.remove(r)
-        self._waiting.appendleft(r)
-        self.stats.preemptions += 1
-        # No re-admission until a request finishes: otherwise two requests can keep preempting
-        # each other. The oldest request is never preempted, so it always makes progress.
-        self._admit_blocked = True
-
-    def _make_room(self, side: ModelSide, batch: list[_Request], kind: int) -> None:
-        """Evict cached KV, then preempt the newest requests, until the batch's tokens fit."""
-        while batch:
-            need = tokens_needed(batch, kind)
-            if side.pool.available >= need:
+            if eng._closed or eng._driver_should_exit():
+                with eng._drive_lock:
+                    eng._flush_aborts(force=True)
                 return
-            side.evict(need - side.pool.available)
-            if side.pool.available >= need:
-                return
-            pool = (
-                self._running
-                + self._parked
-                + self._inflight
-                + self._large_batch
-                + self._small_batch
-            )
-            active = list({id(q): q for q in pool}.values())
-            if len(active) <= 1:
-                raise MemoryError(f"{side.name} KV pool too small for one request")
-            self._preempt(max(active, key=lambda q: q.admit_order))
-
-    def _forward(
-        self, side: ModelSide, batch: list[_Request], kind: int
-    ) -> tuple[ForwardOutput, float, int] | None:
-        attach_all(batch, kind)
-        self._make_room(side, batch, kind)
-        if not batch:
-            return None
-        return run_forward(side, batch, kind)
-
-    def _commit_token(
-        self, r: _Request, token: int, model: int, events: list[tuple[int, int, int]]
-    ) -> bool:
-        """Appends a token; returns True when the request finished (handles released)."""
-        r.seq[r.n] = token
-        r.n += 1
-        r.models.append(model)
-        self.stats.tokens += 1
-        events.append((r.rid, token, model))
-        if r.num_generated >= self._max_new or token == self.eos_token_id:
-            for h in r.kv:
-                h.release(r.seq)
-            self._admit_blocked = False
-            return True
-        return False
-
-    def _small_step(self, events: list[tuple[int, int, int]]) -> float:
-        self._small_batch = batch = list(self._running)
-        res = self._forward(self.small, batch, SMALL) if batch else None
-        if res is None:
-            return 0.0
-        out, dt, ntok = res
-        self.stats.small_tokens += ntok
-        self.stats.steps += 1
-        self.stats.small_forward_s += dt
-        tok, escalate = route_step(self.router, out, batch)
-        keep: list[_Request] = []
-        for r, t, esc in zip(batch, tok.tolist(), escalate, strict=True):
-            if esc:  # park: the small token is discarded and never fed
-                r.kv[SMALL].park(r.seq)
-                r.parked_at = self.stats.steps
-                self._parked.append(r)
-                self.stats.escalations += 1
-            elif not self._commit_token(r, t, SMALL, events):
-                keep.append(r)
-        stepped = set(map(id, batch))
-        # Requests admitted or returned during this step stay in line behind the stepped ones.
-        self._running = keep + [r for r in self._running if id(r) not in stepped]
-        self._small_batch = []
-        return dt
-
-    def _large_step(self, events: list[tuple[int, int, int]]) -> float:
-        batch = self._large_batch
-        res = self._forward(self.large, batch, LARGE) if batch else None
-        if res is None:
-            self._large_batch = []
-            return 0.0
-        out, dt, ntok = res
-        self.stats.large_forward_s += dt
-        self.stats.catchup_batch_sizes.append(len(batch))
-        self.stats.catchup_tokens.append(ntok)
-        for r, t in zip(batch, out.logits.argmax(-1).tolist(), strict=True):
-            r.kv[LARGE].park(r.seq)
-            if not self._commit_token(r, t, LARGE, events):
-                self._running.append(r)
-        self._large_batch = []
-        return dt
+            self.event.wait(0.5)

@@ -8,7 +8,9 @@ Every tokencache call is timed into `bookkeeping_s` (the bookkeeping share of st
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,21 +26,65 @@ class ModelSide:
         self.pool = pool
         self.tree = tokencache.RadixTree(page_size=page_size)
         self.bookkeeping_s = 0.0
+        # Measuring on CUDA: synchronise around tree calls, so device work a tree enqueues (as
+        # SGLang's does) is charged to bookkeeping, not to the next forward.
+        self.sync_cuda = False
+
+    def sync(self) -> None:
+        if self.sync_cuda:
+            torch.cuda.synchronize(self.model.device)
+
+    @contextmanager
+    def bookkeeping(self) -> Iterator[None]:
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.bookkeeping_s += time.perf_counter() - t0
+
+    def alloc(self, n: int) -> np.ndarray:
+        return self.pool.alloc(n).numpy()
 
     def free(self, slots: np.ndarray | torch.Tensor) -> None:
         if len(slots):
             self.pool.free(torch.as_tensor(slots, dtype=torch.int64))
 
     def evict(self, n: int) -> int:
-        t0 = time.perf_counter()
-        slots = self.tree.evict(n)
-        self.bookkeeping_s += time.perf_counter() - t0
+        with self.bookkeeping():
+            slots = self.tree.evict(n)
         self.free(slots)
         return len(slots)
 
+    def cached_size(self) -> int:
+        return int(self.tree.total_size())
+
+    def pinned_size(self) -> int:
+        return int(self.tree.protected_size())
+
     def idle_invariant(self) -> bool:
-        """At idle every slot is free or cached in the tree."""
-        return self.pool.available + self.tree.total_size() == self.pool.num_slots
+        """At idle every slot is free or cached in the tree, and nothing is pinned."""
+        free_or_cached = self.pool.available + self.cached_size() == self.pool.num_slots
+        return free_or_cached and self.pinned_size() == 0
+
+
+class KVHandle(Protocol):
+    """Which KV slots of one model hold a request's first `length` tokens."""
+
+    @property
+    def attached(self) -> bool: ...
+
+    @property
+    def length(self) -> int: ...
+
+    def attach(self, seq: np.ndarray) -> None: ...
+
+    def slots(self) -> np.ndarray: ...
+
+    def park(self, seq: np.ndarray) -> None: ...
+
+    def release(self, seq: np.ndarray) -> None: ...
 
 
 class CursorKV:
@@ -63,11 +109,10 @@ class CursorKV:
 
     def attach(self, seq: np.ndarray) -> None:
         """Pin the longest cached prefix of seq[:-1] (at least one token is left to run)."""
-        t0 = time.perf_counter()
-        m = self.side.tree.match_prefix(seq[:-1])
-        self.cursor = self.side.tree.cursor_at(m.node)
-        matched = m.slots
-        self.side.bookkeeping_s += time.perf_counter() - t0
+        with self.side.bookkeeping():
+            m = self.side.tree.match_prefix(seq[:-1])
+            self.cursor = self.side.tree.cursor_at(m.node)
+            matched = m.slots
         self._row = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
         self._n = len(matched)
         self._row[: self._n] = matched
@@ -99,9 +144,8 @@ class CursorKV:
     ) -> None:
         """One native extend for the whole batch; duplicates go back to the allocator and the
         rows point at the tree's slots for them instead."""
-        t0 = time.perf_counter()
-        dedup = side.tree.extend_many([h.cursor for h in handles], offsets, tokens, slots)
-        side.bookkeeping_s += time.perf_counter() - t0
+        with side.bookkeeping():
+            dedup = side.tree.extend_many([h.cursor for h in handles], offsets, tokens, slots)
         for i, h in enumerate(handles):
             h._append(slots[offsets[i] : offsets[i + 1]])
         if len(dedup):
@@ -117,9 +161,8 @@ class CursorKV:
     def release(self, seq: np.ndarray) -> None:
         if self.cursor is None:
             return
-        t0 = time.perf_counter()
-        tail = self.cursor.release()
-        self.side.bookkeeping_s += time.perf_counter() - t0
+        with self.side.bookkeeping():
+            tail = self.cursor.release()
         self.cursor = None
         self._n = 0
         self.side.free(tail)

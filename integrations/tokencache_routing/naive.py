@@ -7,7 +7,6 @@ rest). Between hand-offs it decodes on a private slot list, as SGLang's req_to_t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,11 +29,10 @@ class NaiveKV:
         return self.node is not None
 
     def attach(self, seq: np.ndarray) -> None:
-        t0 = time.perf_counter()
         tree = self.side.tree
-        m = tree.match_prefix(seq[:-1])
-        tree.lock(m.node)
-        self.side.bookkeeping_s += time.perf_counter() - t0
+        with self.side.bookkeeping():
+            m = tree.match_prefix(seq[:-1])
+            tree.lock(m.node)
         self.node = m.node
         self._slots = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
         self._slots[: m.length] = m.slots
@@ -74,12 +72,15 @@ class NaiveKV:
     def release(self, seq: np.ndarray) -> None:
         if self.node is None:
             return
-        t0 = time.perf_counter()
         tree = self.side.tree
-        res = tree.insert(seq[: self._n], self._slots[: self._n])
-        tree.unlock(self.node)
-        self.side.bookkeeping_s += time.perf_counter() - t0
+        # The tree caches whole pages only (as SGLang's does): the partial last page's slots
+        # are the request's own and go back with it.
+        aligned = self._n - self._n % tree.page_size
+        with self.side.bookkeeping():
+            res = tree.insert(seq[:aligned], self._slots[:aligned])
+            tree.unlock(self.node)
         # Slots the tree already held for [prefix_len, res.prefix_len) are duplicates.
         self.side.free(self._slots[self._prefix_len : res.prefix_len].copy())
+        self.side.free(self._slots[aligned : self._n].copy())
         self.node = None
         self._n = self._prefix_len = 0

@@ -125,15 +125,17 @@ class SGLangSide(ModelSide):
         self.page_size = page_size
 
     def evict(self, n: int) -> int:
-        t0 = time.perf_counter()
         free0 = self.allocator.free_s
-        res = self.cache.evict(_SGL.EvictParams(num_tokens=n))  # type: ignore[union-attr]
-        dt = time.perf_counter() - t0 - (self.allocator.free_s - free0)
-        self.bookkeeping_s += dt
+        with self.bookkeeping():
+            res = self.cache.evict(_SGL.EvictParams(num_tokens=n))  # type: ignore[union-attr]
+        self.bookkeeping_s -= self.allocator.free_s - free0  # the pool's own work
         return int(res.num_tokens_evicted)
 
-    def idle_invariant(self) -> bool:
-        return self.pool.available + self.cache.total_size() == self.pool.num_slots
+    def cached_size(self) -> int:
+        return int(self.cache.total_size())
+
+    def pinned_size(self) -> int:
+        return int(self.cache.protected_size())
 
 
 class NaiveSGLangKV(NaiveKV):
@@ -151,12 +153,11 @@ class NaiveSGLangKV(NaiveKV):
         """Admitted as new: match seq[:-1] from the root, lock, read the prefix slots."""
         sgl = _SGL
         cache = self.side.cache
-        t0 = time.perf_counter()
-        m = cache.match_prefix(sgl.MatchPrefixParams(key=_key(seq[:-1])))  # type: ignore[union-attr]
-        node = m.last_device_node
-        cache.inc_lock_ref(node)
-        prefix = cache.path_device_indices(node).numpy()
-        self.side.bookkeeping_s += time.perf_counter() - t0
+        with self.side.bookkeeping():  # synchronised on CUDA: SGLang's device work counts
+            m = cache.match_prefix(sgl.MatchPrefixParams(key=_key(seq[:-1])))  # type: ignore[union-attr]
+            node = m.last_device_node
+            cache.inc_lock_ref(node)
+            prefix = cache.path_device_indices(node).cpu().numpy()
         n = len(prefix)
         self.node = node
         self._slots = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
@@ -171,15 +172,14 @@ class NaiveSGLangKV(NaiveKV):
         cache = side.cache
         n = self._n
         aligned = n - n % side.page_size
-        t0 = time.perf_counter()
-        res = cache.insert(
-            sgl.InsertParams(  # type: ignore[union-attr]
-                key=_key(seq[:aligned]),
-                value=torch.from_numpy(self._slots[:aligned].copy()),
+        with side.bookkeeping():
+            res = cache.insert(
+                sgl.InsertParams(  # type: ignore[union-attr]
+                    key=_key(seq[:aligned]),
+                    value=torch.from_numpy(self._slots[:aligned].copy()),
+                )
             )
-        )
-        cache.dec_lock_ref(self.node)
-        side.bookkeeping_s += time.perf_counter() - t0
+            cache.dec_lock_ref(self.node)
         # Slots the tree already held for [prefix_len, res.prefix_len) are duplicates; a
         # partial last page never enters the tree.
         side.free(self._slots[self._prefix_len : res.prefix_len].copy())

@@ -1,27 +1,79 @@
-"""Scheduling policy: continuous admission and delayed batching of large-model catch-ups."""
+"""The one scheduler both drivers run: admission, make-room (evict, then preempt), catch-up
+batching, and the commit of each forward's tokens (schedule -> run -> postprocess).
+
+Drivers (engine.py's event loop, workers.py's two threads) call it while holding its lock and
+run the forwards themselves; a request inside a running forward is `busy` and nobody else
+touches it. Every way out (finish, abort, preemption, an error in a forward, the router or the
+allocator) releases the request's KV in both models: nothing stays pinned or allocated.
+"""
 
 from __future__ import annotations
 
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from tokencache_models import ForwardOutput
+
+from .batch import (
+    PreparedForward,
+    attach_all,
+    overlaps_prefill,
+    prepare_forward,
+    route_step,
+    sample,
+    take_catchup_batch,
+    tokens_needed,
+)
+from .kv import KVHandle, ModelSide
+from .routers import Router
+from .state import LARGE, SMALL, Request, Stats
+
+
+def _check_int(name: str, v: object, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"SchedulerConfig.{name} must be an int >= {lo}, got {v!r}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_running: requests admitted at once (decoding or parked). A catch-up batch for the
-    large model launches once min_large_batch requests are parked, or the oldest has waited
-    max_wait_steps small steps, or the small model has nothing else to run. The naive dispatcher
-    ignores the delay: a synchronous barrier sends every parked request each step.
-    In the threaded mode the delay is wall-clock: max_wait_s seconds instead of max_wait_steps.
-    A request's first catch-up that shares a prompt page with another first catch-up in the
-    same batch is held for the next batch, never longer (batch.take_catchup_batch)."""
+    """max_running: requests decoding on the small model at once (its batch target).
+    max_parked: requests admitted beyond that while others wait for the large model (None: as
+    many as max_running; 0: parked requests count against max_running), so a parked request's
+    place in the small batch is filled instead of stepping a fragment.
+    A catch-up batch for the large model launches once min_large_batch requests are parked, or
+    the oldest has waited max_wait_steps small steps (max_wait_s seconds in the threaded
+    driver), or the small model has nothing else to run. The naive dispatchers ignore the delay:
+    a synchronous barrier sends every parked request each step. A first catch-up that shares a
+    prompt page with another in the same batch is held for the next batch, never longer."""
 
     max_running: int = 32
     min_large_batch: int = 1
     max_wait_steps: int = 0
     max_large_batch: int | None = None
     max_wait_s: float = 0.0
+    max_parked: int | None = None
 
-    def launch_large(self, num_parked: int, oldest_wait: int, small_has_work: bool) -> bool:
+    def __post_init__(self) -> None:
+        _check_int("max_running", self.max_running, 1)
+        _check_int("min_large_batch", self.min_large_batch, 1)
+        _check_int("max_wait_steps", self.max_wait_steps, 0)
+        if self.max_large_batch is not None:
+            _check_int("max_large_batch", self.max_large_batch, 1)
+        if self.max_parked is not None:
+            _check_int("max_parked", self.max_parked, 0)
+        w = self.max_wait_s
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ValueError(f"SchedulerConfig.max_wait_s must be a finite number >= 0, got {w!r}")
+
+    @property
+    def max_admitted(self) -> int:
+        parked = self.max_running if self.max_parked is None else self.max_parked
+        return self.max_running + parked
+
+    def launch_large(self, num_parked: int, oldest_wait: float, small_has_work: bool) -> bool:
         if num_parked == 0:
             return False
         return (
@@ -29,3 +81,306 @@ class SchedulerConfig:
             or num_parked >= self.min_large_batch
             or oldest_wait >= self.max_wait_steps
         )
+
+
+class WaitForMemory(Exception):
+    """make_room: only requests inside the other model's running forward could free memory."""
+
+
+# A driver's clock: seconds on the engine's clock now (stamped on delivered tokens).
+Clock = Callable[[], float]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        sides: tuple[ModelSide, ModelSide],
+        config: SchedulerConfig,
+        router: Router,
+        handle_cls: Callable[[ModelSide], KVHandle],
+        barrier: bool,
+        holdback: bool,
+    ) -> None:
+        self.sides = sides
+        self.cfg = config
+        self.router = router
+        self.handle_cls = handle_cls
+        self.barrier = barrier  # naive dispatchers: every parked request each step
+        self.holdback = holdback  # shared-prefix admission hold-back (cursors only)
+        self.lock = threading.RLock()
+        self.stats = Stats()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # on the small side, ready for its next step
+        self.parked: list[Request] = []  # waiting for a catch-up
+        self.inflight: list[Request] = []  # catch-up done, back once the large clock says so
+        self.busy: list[Request] = []  # inside a forward that runs now
+        self.admit_blocked = False
+        self.admitted = 0
+        self.touched: list[Request] = []  # requests with news for their listeners
+
+    # ------------------------------------------------------------ state
+
+    def active(self) -> list[Request]:
+        return self.running + self.parked + self.inflight + self.busy
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.parked or self.inflight or self.busy)
+
+    def add(self, r: Request) -> None:
+        self.waiting.append(r)
+
+    def _remove(self, r: Request) -> None:
+        for lst in (self.running, self.parked, self.inflight, self.busy):
+            if r in lst:
+                lst.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+
+    def _release(self, r: Request) -> None:
+        """Both models' KV back (cached prefix stays in the trees); safe to call twice."""
+        first: BaseException | None = None
+        for h in r.kv:
+            try:
+                h.release(r.seq)
+            except BaseException as e:  # release the other model's KV all the same
+                first = first or e
+        if first is not None:
+            raise first
+
+    def finish(self, r: Request, reason: str, error: BaseException | None = None) -> None:
+        """r leaves for good: KV released, the caller told."""
+        self._remove(r)
+        try:
+            self._release(r)
+        finally:
+            with r.cond:
+                if r.abort_requested and reason != "error":
+                    reason = "abort"
+                r.finished_reason = reason
+                r.error = error
+            if reason == "abort":
+                self.stats.aborted += 1
+            elif reason == "error":
+                self.stats.failed += 1
+            self.admit_blocked = False  # memory came back
+            self.touched.append(r)
+
+    def fail(self, batch: Sequence[Request], error: BaseException) -> None:
+        for r in batch:
+            if r.finished_reason is None:
+                self.finish(r, "error", error)
+
+    def apply_aborts(self) -> None:
+        """Aborted requests leave wherever they wait; busy ones once their forward ends."""
+        for r in [r for r in self.active() + list(self.waiting) if r.abort_requested]:
+            if not r.busy and r.finished_reason is None:
+                self.finish(r, "abort")
+
+    # ------------------------------------------------------------ admission and memory
+
+    def admit(self) -> None:
+        cfg = self.cfg
+        if self.admit_blocked and self.active():
+            return
+        self.admit_blocked = False
+        small_page = self.sides[SMALL].tree.page_size
+        while self.waiting:
+            small_side = len(self.running) + len(self.inflight) + len(self.busy)
+            if small_side >= cfg.max_running or len(self.active()) >= cfg.max_admitted:
+                return
+            r = self.waiting[0]
+            if self.holdback and overlaps_prefill(r, self.running, SMALL, small_page):
+                self.stats.held_back += 1
+                return
+            self.waiting.popleft()
+            r.kv = [self.handle_cls(self.sides[SMALL]), self.handle_cls(self.sides[LARGE])]
+            r.admit_order = self.admitted
+            self.admitted += 1
+            self.running.append(r)
+
+    def preempt(self, r: Request) -> None:
+        """Drop a request's KV in both models; it is recomputed from its tokens later."""
+        self._remove(r)
+        self._release(r)
+        r.kv = []
+        r.held_catchup = False
+        self.waiting.appendleft(r)
+        self.stats.preemptions += 1
+        # No re-admission until a request finishes: otherwise two requests can keep preempting
+        # each other. The oldest request is never preempted, so it always makes progress.
+        self.admit_blocked = True
+
+    def make_room(self, side: ModelSide, batch: list[Request], kind: int) -> None:
+        """Evict cached KV, then preempt the newest requests, until the batch's tokens fit.
+        Raises WaitForMemory when only busy requests (the other model's forward) could give
+        memory back, MemoryError when nothing can."""
+        while batch:
+            need = tokens_needed(batch, kind)
+            if side.pool.available >= need:
+                return
+            side.evict(need - side.pool.available)
+            if side.pool.available >= need:
+                return
+            active = self.active() + [r for r in batch if r not in self.active()]
+            oldest = min(active, key=lambda q: q.admit_order)
+            victims = [q for q in active if not q.busy and q is not oldest]
+            if not victims:
+                if any(q.busy for q in active):
+                    raise WaitForMemory
+                raise MemoryError(f"{side.name} KV pool too small for one request")
+            victim = max(victims, key=lambda q: q.admit_order)
+            if victim in batch:
+                batch.remove(victim)
+            self.preempt(victim)
+
+    def _prepare(self, batch: list[Request], kind: int) -> PreparedForward | None:
+        """Attach, make room and allocate; the batch becomes busy. On an allocator or tree
+        error the batch fails (released), never leaks."""
+        side = self.sides[kind]
+        try:
+            attach_all(batch, kind)
+            self.make_room(side, batch, kind)
+            if not batch:
+                return None
+            prep = prepare_forward(side, batch, kind)
+        except WaitForMemory:
+            raise
+        except Exception as e:
+            self.fail(batch, e)
+            return None
+        for r in batch:
+            r.busy = True
+        self.busy += batch
+        return prep
+
+    # ------------------------------------------------------------ small model
+
+    def schedule_small(self) -> PreparedForward | None:
+        batch = [r for r in self.running if not r.busy]
+        if not batch:
+            return None
+        self.running = [r for r in self.running if r not in batch]
+        try:
+            prep = self._prepare(batch, SMALL)
+        except WaitForMemory:
+            self.running += batch
+            raise
+        running = len(self.active()) + (len(prep.batch) if prep else 0) - len(self.busy)
+        if prep is not None:
+            self.stats.small_batch_sizes.append(len(prep.batch))
+            self.stats.small_batch_running.append(max(running, len(prep.batch)))
+        return prep
+
+    def finish_small(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:
+        """Commit the KV, route, then per request: park (escalated), append its token, or
+        finish. Returns the escalated requests."""
+        st = self.stats
+        self._unbusy(prep.batch)
+        parked: list[Request] = []
+        try:
+            prep.commit()
+            st.steps += 1
+            st.small_tokens += prep.num_tokens
+            tok, escalate = route_step(self.router, out, prep.batch)
+        except BaseException as e:
+            prep.discard()
+            self.fail(prep.batch, e)
+            if not isinstance(e, Exception):
+                raise
+            return []
+        for r, t, esc in zip(prep.batch, tok.tolist(), escalate, strict=True):
+            if r.finished_reason is not None:
+                continue
+            if esc:  # park: the small token is discarded and never fed
+                r.kv[SMALL].park(r.seq)
+                r.parked_at = now
+                parked.append(r)
+                st.escalations += 1
+            elif not self.commit_token(r, t, SMALL, now):
+                self.running.append(r)
+        self.parked += parked
+        return parked
+
+    # ------------------------------------------------------------ large model
+
+    def schedule_large(self) -> PreparedForward | None:
+        """Every parked request (barrier) or the next catch-up batch (hold-back applied)."""
+        if not self.parked:
+            return None
+        cap = len(self.parked) if self.barrier else self.cfg.max_large_batch or len(self.parked)
+        page = self.sides[LARGE].tree.page_size
+        if self.barrier:
+            batch, rest, held = list(self.parked), [], []
+        else:
+            batch, rest, held = take_catchup_batch(self.parked, cap, LARGE, page)
+        self.parked = rest
+        try:
+            prep = self._prepare(batch, LARGE)
+        except WaitForMemory:
+            for r in held:  # not launched: they were not held behind a computed prefill
+                r.held_catchup = False
+            self.parked = batch + self.parked
+            raise
+        if prep is not None:
+            self.stats.large_held_back += len(held)
+        return prep
+
+    def finish_large(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:
+        """Commit the catch-up and each request's large token; returns those that go on."""
+        st = self.stats
+        self._unbusy(prep.batch)
+        try:
+            prep.commit()
+            tokens = sample(out.logits, prep.batch).tolist()
+        except BaseException as e:
+            prep.discard()
+            self.fail(prep.batch, e)
+            if not isinstance(e, Exception):
+                raise
+            return []
+        st.catchup_batch_sizes.append(len(prep.batch))
+        st.catchup_tokens.append(prep.num_tokens)
+        back: list[Request] = []
+        for r, t in zip(prep.batch, tokens, strict=True):
+            if r.finished_reason is not None:
+                continue
+            r.kv[LARGE].park(r.seq)
+            if not self.commit_token(r, t, LARGE, now):
+                back.append(r)
+        return back
+
+    def abandon(self, prep: PreparedForward, error: BaseException) -> None:
+        """A forward raised: its new slots go back and its requests fail."""
+        self._unbusy(prep.batch)
+        prep.discard()
+        self.fail(prep.batch, error)
+
+    def _unbusy(self, batch: Sequence[Request]) -> None:
+        for r in batch:
+            r.busy = False
+            if r in self.busy:
+                self.busy.remove(r)
+
+    # ------------------------------------------------------------ tokens
+
+    def commit_token(self, r: Request, token: int, model: int, now: float) -> bool:
+        """Appends a token and hands it to the caller; True when r finished (released)."""
+        r.seq[r.n] = token
+        r.n += 1
+        r.models.append(model)
+        self.stats.tokens += 1
+        with r.cond:
+            if not r.abort_requested:  # nothing is delivered after abort() returned
+                r.tokens.append(token)
+                r.token_models.append(model)
+                r.token_times.append(now)
+        self.touched.append(r)
+        reason = r.finished_by(token)
+        if reason is not None or r.abort_requested:
+            self.finish(r, reason or "abort")
+            return True
+        return False
+
+    def take_touched(self) -> list[Request]:
+        out, self.touched = self.touched, []
+        return out

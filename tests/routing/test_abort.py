@@ -90,7 +90,7 @@ def test_abort_while_parked(pair: Any, dispatch: str) -> None:
     seen: list[bool] = []
 
     def when(e: RoutedEngine, t: list[list[int]]) -> int | None:
-        if any(r.rid == 1 for r in e._parked):
+        if any(r.route_key == 1 for r in e.sched.parked):
             seen.append(True)
             return 1
         return None
@@ -104,11 +104,11 @@ def test_abort_while_parked(pair: Any, dispatch: str) -> None:
 def test_abort_while_catchup_in_flight(pair: Any) -> None:
     router = ScriptedRouter({1: [3], 3: [3]})
     prompts = make_prompts(4, seed=53, shared=5)
-    eng = RoutedEngine(*pair, router, 256, large_step_cost=5.0)
+    eng = RoutedEngine(*pair, router, 256, large_step_cost=5.0, topology="two-devices")
     seen: list[bool] = []
 
     def when(e: RoutedEngine, t: list[list[int]]) -> int | None:
-        if any(r.rid == 1 for r in e._inflight):
+        if any(r.route_key == 1 for r in e.sched.inflight):
             seen.append(True)
             return 1
         return None

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from routing_helpers import make_prompts
 from test_exactness import bernoulli_decide, check
 
 from tokencache_routing import BernoulliRouter, ScriptedRouter
-from tokencache_routing.batch import Request, take_catchup_batch
+from tokencache_routing.batch import take_catchup_batch
 from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.state import GREEDY, Request
 
 LARGE = 1
 
@@ -100,10 +102,14 @@ class _Handle:
         self.attached = False
 
 
+def _request(i: int, prompt: list[int]) -> Request:
+    return Request(i, i, np.asarray(prompt, dtype=np.int64), 4, GREEDY, frozenset())
+
+
 def test_held_request_goes_in_next_batch() -> None:
     """Held once, never again: a request held back joins the next batch whatever it shares."""
-    reqs = [Request(i, [1, 2, 3, 4, 5, 10 + i], 4) for i in range(3)]
-    other = Request(3, [9, 8, 7], 4)
+    reqs = [_request(i, [1, 2, 3, 4, 5, 10 + i]) for i in range(3)]
+    other = _request(3, [9, 8, 7])
     for r in [*reqs, other]:
         r.kv = [_Handle(), _Handle()]
     batch, rest, held = take_catchup_batch([*reqs, other], 8, LARGE, 1)
@@ -112,7 +118,7 @@ def test_held_request_goes_in_next_batch() -> None:
     batch, rest, held = take_catchup_batch(rest, 8, LARGE, 1)
     assert batch == reqs[1:] and rest == held == []
     # Attached handles (not a first catch-up) and a short overlap are never held.
-    fresh = [Request(i, [1, 2, 3, 4, 5, 10 + i], 4) for i in range(2)]
+    fresh = [_request(i, [1, 2, 3, 4, 5, 10 + i]) for i in range(2)]
     fresh[0].kv, fresh[1].kv = [_Handle(), _Handle()], [_Handle(), _Handle()]
     fresh[1].kv[LARGE].attached = True
     assert take_catchup_batch(fresh, 8, LARGE, 1)[0] == fresh

@@ -199,6 +199,7 @@ def test_slow_large_model_no_barrier(pair: Any, cost: float, num_slots: int) -> 
     prompts = make_prompts(6, seed=13, shared=6, lo=3, hi=8)
     sched = SchedulerConfig(max_running=6, min_large_batch=2, max_wait_steps=2)
     kw = {"num_slots": num_slots, "scheduler": sched, "large_step_cost": cost}
+    kw["topology"] = "two-devices"
     _, fast = check(pair, router, bernoulli_decide(router), prompts, 14, **kw)
     _, naive = check(pair, router, bernoulli_decide(router), prompts, 14, dispatch="naive", **kw)
     # Modelled on the step clock (no wall time): without a barrier the small model waits less.

@@ -1,0 +1,139 @@
+"""Engine clocks: what one forward costs on the engine's clock.
+
+A CPU running tiny models has the wrong cost shape for a GPU (its step costs in proportion to
+the batch; a GPU decode step costs about the same at batch 1 and 32), so schedules are judged
+on a GPU cost model: `GpuClock` prices a forward of (batch, new tokens, KV tokens read) at the
+shapes of real models, fitted to GPU measurements kept in data/*.json (refit whenever
+benches/gpu records new ones: `GpuClock.fit(path, ...)`).
+
+Profiles:
+- "h200-2026-11-30" (default): least-squares fit of cost = a + b*batch + c*new_tokens +
+  d*kv_tokens to what one H200 measured for the runner of that day (host-bound: ~22-28 ms a
+  step at any batch; multi-token catch-ups far above their work).
+- "h200-roofline": no measurement: weights + KV read once at the device's bandwidth, or the
+  FLOPs at its peak, whichever is larger, times 1.5 (issue 9's target for the runner). A model of
+  a runner that does not exist yet, labelled as such wherever it is used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokencache_models import PRESETS, ModelConfig
+
+DATA = Path(__file__).resolve().parent / "data"
+DEFAULT_PROFILE = "h200-2026-11-30"
+PROFILES = (DEFAULT_PROFILE, "h200-roofline")
+ROOFLINE_SLACK = 1.5
+
+
+def param_count(c: ModelConfig) -> int:
+    attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return c.num_hidden_layers * (attn + mlp) + embed
+
+
+def kv_bytes_per_token(c: ModelConfig, bytes_per_elem: int = 2) -> int:
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * bytes_per_elem
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Seconds for one forward of one model: a + b*batch + c*new_tokens + d*kv_tokens, or the
+    roofline when `roofline` is set."""
+
+    model: str
+    a: float
+    b: float = 0.0
+    c: float = 0.0
+    d: float = 0.0
+    roofline: tuple[float, float, float] | None = (
+        None  # (weight bytes, kv bytes/token, flops/token)
+    )
+    bandwidth: float = 4.8e12
+    peak_flops: float = 989e12
+
+    def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
+        if batch == 0:
+            return 0.0
+        if self.roofline is not None:
+            wbytes, kv_per_tok, flops_per_tok = self.roofline
+            mem = (wbytes + kv_per_tok * kv_tokens) / self.bandwidth
+            return self.a + ROOFLINE_SLACK * max(mem, flops_per_tok * new_tokens / self.peak_flops)
+        return self.a + self.b * batch + self.c * new_tokens + self.d * kv_tokens
+
+
+def _fit(rows: list[dict[str, Any]], model: str) -> ForwardCost:
+    """Non-negative least squares by active set (four unknowns: try every support)."""
+    pts = [r for r in rows if r["model"] == model and r.get("path", "torch") in ("torch", "auto")]
+    if len(pts) < 2:
+        raise ValueError(f"no GPU measurements of {model!r} to fit")
+    x = np.array(
+        [[1.0, r["batch"], r["new_tokens"], r["batch"] * r["context"]] for r in pts], dtype=float
+    )
+    y = np.array([r["step_ms"] / 1000 for r in pts])
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 16):
+        cols = [i for i in range(4) if mask >> i & 1]
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if (coef < 0).any():
+            continue
+        err = float(np.abs(x[:, cols] @ coef - y).sum())
+        if best is None or err < best[0]:
+            full = np.zeros(4)
+            full[cols] = coef
+            best = (err, full)
+    assert best is not None  # the constant alone is always non-negative
+    a, b, c, d = (float(v) for v in best[1])
+    return ForwardCost(model, a, b, c, d)
+
+
+class GpuClock:
+    """Prices the small and the large model's forwards on a GPU cost profile."""
+
+    def __init__(
+        self,
+        small: str = "qwen3-0.6b",
+        large: str = "qwen3-8b",
+        profile: str = DEFAULT_PROFILE,
+    ) -> None:
+        if profile not in PROFILES:
+            raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+        for name in (small, large):
+            if name not in PRESETS:
+                raise ValueError(f"unknown model shape {name!r}: one of {sorted(PRESETS)}")
+        self.small_name, self.large_name, self.profile = small, large, profile
+        if profile == "h200-roofline":
+            self.costs = (self.roofline(small), self.roofline(large))
+        else:
+            rows = json.loads((DATA / f"{profile}.json").read_text())["rows"]
+            self.costs = (_fit(rows, small), _fit(rows, large))
+
+    @staticmethod
+    def roofline(name: str) -> ForwardCost:
+        cfg = PRESETS[name]
+        params = param_count(cfg)
+        return ForwardCost(
+            name, 0.0, roofline=(2.0 * params, kv_bytes_per_token(cfg), 2.0 * params)
+        )
+
+    @classmethod
+    def fit(cls, path: str | Path, small: str, large: str) -> GpuClock:
+        """A clock fitted to another measurements file (same row format as data/*.json)."""
+        clock = cls.__new__(cls)
+        clock.small_name, clock.large_name, clock.profile = small, large, str(path)
+        rows = json.loads(Path(path).read_text())["rows"]
+        clock.costs = (_fit(rows, small), _fit(rows, large))
+        return clock
+
+    def forward_s(self, kind: int, batch: int, new_tokens: int, kv_tokens: int) -> float:
+        return self.costs[kind](batch, new_tokens, kv_tokens)
+
+    def describe(self) -> str:
+        return f"gpu:{self.profile} ({self.small_name} small, {self.large_name} large)"

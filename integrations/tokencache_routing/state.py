@@ -1,0 +1,291 @@
+"""The types the scheduler, both drivers and the public API share: a request's state, its
+sampling parameters, the caller's handle on it, and the engine's counters."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .kv import KVHandle
+
+SMALL, LARGE = 0, 1
+# Why a request ended: max_new_tokens reached, an eos/stop token, RequestHandle.abort(), or an
+# exception in its forward, its router call or the allocator (RequestHandle.error says which).
+FINISH_REASONS = ("length", "stop", "abort", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy (argmax); otherwise softmax(logits / temperature) restricted to
+    the top_p nucleus, drawn from a generator seeded with `seed` (reproducible per request)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = SamplingParams()
+
+
+class Request:
+    """One request's tokens and KV handles, owned by the scheduler (its lock guards every field
+    but the delivery ones, which the handle's condition guards)."""
+
+    def __init__(
+        self,
+        rid: int,
+        route_key: int,
+        prompt: np.ndarray,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop_token_ids: frozenset[int],
+    ) -> None:
+        self.rid = rid
+        self.route_key = route_key  # what routers see as the request id (RouterFeatures.rids)
+        self.prompt_len = len(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.seq = np.empty(len(prompt) + max_new_tokens, dtype=np.int64)
+        self.seq[: len(prompt)] = prompt
+        self.n = len(prompt)
+        self.models: list[int] = []
+        self.kv: list[KVHandle] = []
+        self.sampling = sampling
+        self.stop_token_ids = stop_token_ids
+        self.generator: Any = None  # torch.Generator, made on the first sampled token
+        self.parked_at = 0.0  # engine clock (threaded driver: its wall clock)
+        self.parked_step = 0  # small steps so far when parked (event loop)
+        self.admit_order = -1
+        self.held_catchup = False  # held out of a catch-up batch once: goes in the next one
+        self.busy = False  # inside a forward that is running now (threaded driver)
+        # delivery to the caller
+        self.cond = threading.Condition()
+        self.tokens: list[int] = []
+        self.token_models: list[int] = []
+        self.finished_reason: str | None = None
+        self.error: BaseException | None = None
+        self.abort_requested = False
+        self.listeners: list[Callable[[RequestHandle], None]] = []
+        self.handle: RequestHandle | None = None
+        self.submitted_at = 0.0
+        self.token_times: list[float] = []  # engine clock at each delivered token
+
+    @property
+    def num_generated(self) -> int:
+        return self.n - self.prompt_len
+
+    def finished_by(self, token: int) -> str | None:
+        if token in self.stop_token_ids:
+            return "stop"
+        if self.num_generated >= self.max_new_tokens:
+            return "length"
+        return None
+
+
+class RequestHandle:
+    """The caller's view of a submitted request (RoutedEngine.submit). Thread-safe."""
+
+    def __init__(self, req: Request, engine: Any) -> None:
+        self._req = req
+        self._engine = engine
+        req.handle = self
+
+    @property
+    def rid(self) -> int:
+        return self._req.rid
+
+    @property
+    def prompt_len(self) -> int:
+        return self._req.prompt_len
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens delivered so far (a copy)."""
+        with self._req.cond:
+            return list(self._req.tokens)
+
+    @property
+    def models(self) -> list[int]:
+        """Per delivered token: 0 = the small model wrote it, 1 = the large model."""
+        with self._req.cond:
+            return list(self._req.token_models)
+
+    @property
+    def finished_reason(self) -> str | None:
+        return self._req.finished_reason
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._req.error
+
+    @property
+    def token_times(self) -> list[float]:
+        """Engine clock (seconds) at each delivered token; submission is at submitted_at."""
+        with self._req.cond:
+            return list(self._req.token_times)
+
+    @property
+    def submitted_at(self) -> float:
+        return self._req.submitted_at
+
+    def done(self) -> bool:
+        return self._req.finished_reason is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the request finished (drives the engine when nothing else does)."""
+        return bool(self._engine._wait(self._req, timeout))
+
+    def abort(self) -> bool:
+        """Stops the request: no token is delivered after this returns; its KV is released at
+        the engine's next iteration. False when it had already finished."""
+        return bool(self._engine._abort_request(self._req))
+
+    def add_listener(self, fn: Callable[[RequestHandle], None]) -> None:
+        """fn(handle) runs on the engine's driver thread after new tokens and once at the end.
+        Called at once when tokens or the end are already there."""
+        with self._req.cond:
+            self._req.listeners.append(fn)
+            now = bool(self._req.tokens) or self.done()
+        if now:
+            fn(self)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        """(token, model) pairs as they are delivered; ends when the request finishes."""
+        i = 0
+        while True:
+            with self._req.cond:
+                if i < len(self._req.tokens):
+                    batch = list(zip(self._req.tokens[i:], self._req.token_models[i:], strict=True))
+                    i += len(batch)
+                else:
+                    batch = []
+                    if self.done():
+                        return
+            if batch:
+                yield from batch
+            else:
+                self._engine._wait_for_progress(self._req, i)
+
+    def __repr__(self) -> str:
+        state = self.finished_reason or "running"
+        return f"RequestHandle(rid={self.rid}, tokens={len(self._req.tokens)}, {state})"
+
+
+@dataclass
+class Stats:
+    """Counters of one engine (or of one generate call: Stats.since)."""
+
+    steps: int = 0
+    tokens: int = 0
+    escalations: int = 0
+    preemptions: int = 0
+    aborted: int = 0  # requests stopped by an abort while the engine still held them
+    failed: int = 0  # requests ended by an error
+    wall_s: float = 0.0
+    small_forward_s: float = 0.0
+    large_forward_s: float = 0.0
+    bookkeeping_s: float = 0.0  # inside tree and cursor operations
+    small_tokens: int = 0  # tokens the small model computed (prefills, catch-ups and decodes)
+    held_back: int = 0  # admissions delayed a step so a shared prefix is prefilled once
+    large_held_back: int = 0  # first catch-ups held a batch so a shared prefix is prefilled once
+    modeled_s: float = 0.0  # engine clock: measured, step units or the GPU cost model
+    small_idle_s: float = 0.0  # engine clock time the small model waits for the large one
+    small_batch_sizes: list[int] = field(default_factory=list)
+    small_batch_running: list[int] = field(default_factory=list)  # admitted, unfinished, per step
+    catchup_batch_sizes: list[int] = field(default_factory=list)
+    catchup_tokens: list[int] = field(default_factory=list)  # tokens prefilled per catch-up
+
+    @property
+    def bookkeeping_share(self) -> float:
+        busy = self.small_forward_s + self.large_forward_s + self.bookkeeping_s
+        return self.bookkeeping_s / busy if busy else 0.0
+
+    @property
+    def small_idle_share(self) -> float:
+        return self.small_idle_s / self.modeled_s if self.modeled_s else 0.0
+
+    @property
+    def small_batch_occupancy(self) -> float:
+        """Mean over small steps of (batch size / admitted unfinished requests)."""
+        pairs = [
+            b / r
+            for b, r in zip(self.small_batch_sizes, self.small_batch_running, strict=True)
+            if r
+        ]
+        return sum(pairs) / len(pairs) if pairs else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def modeled_tokens_per_s(self) -> float:
+        return self.tokens / self.modeled_s if self.modeled_s else 0.0
+
+    def copy(self) -> Stats:
+        out = Stats(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        for k, v in vars(out).items():
+            if isinstance(v, list):
+                setattr(out, k, list(v))
+        return out
+
+    def since(self, start: Stats) -> Stats:
+        """What happened after the snapshot `start` (counters subtracted, lists sliced)."""
+        out = Stats()
+        for k in self.__dataclass_fields__:
+            now, then = getattr(self, k), getattr(start, k)
+            setattr(out, k, now[len(then) :] if isinstance(now, list) else now - then)
+        return out
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]
+    models: list[list[int]]  # per token: 0 = small model, 1 = large model
+    texts: list[str] | None
+    stats: Stats
+    # per request: "length" (max_new_tokens), "stop" (eos), "abort" (its tokens are those
+    # delivered before the abort) or "error"
+    finished_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def aborted(self) -> list[bool]:
+        return [f == "abort" for f in self.finished_reasons]
+
+
+def as_token_array(prompt: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+    """Validated int64 copy of a prompt: a non-empty sequence of ints in [0, vocab)."""
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError("a prompt is a sequence of token ids, not a string (tokenize it first)")
+    arr = np.asarray(prompt)
+    if arr.ndim != 1:
+        raise ValueError(f"a prompt must be a flat sequence of token ids, got shape {arr.shape}")
+    if len(arr) == 0:
+        raise ValueError("prompts must not be empty")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"token ids must be integers, got {arr.dtype} (e.g. {prompt[0]!r})")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return arr.astype(np.int64)
