@@ -3,6 +3,7 @@
 # tests (benchmarks run once each as smoke tests), and the benchmark command in quick mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "== set-up: scripts/setup.sh (skips what is up to date)"
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
