@@ -50,6 +50,15 @@ class ServerConfig:
     default_temperature: float = 1.0  # OpenAI's default; 0 = greedy
 
 
+def context_limit(engine: RoutedEngine) -> int:
+    """The largest prompt + max_tokens served: the engine's KV bound and the models' positions
+    (engine.max_context counts pool slots only; rotary tables end at max_position_embeddings)."""
+    limit = int(engine.max_context)
+    for side in engine.sides:
+        limit = min(limit, int(side.model.config.max_position_embeddings))
+    return limit
+
+
 def create_app(
     engine: RoutedEngine,
     tokenizer: Any,
@@ -69,6 +78,7 @@ class Server:
         self.config = config
         self.manage_engine = manage_engine
         self.created = int(time.time())
+        self.max_context = context_limit(engine)
         self.metrics = ServerMetrics(engine.metrics)
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -93,7 +103,7 @@ class Server:
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         if self.manage_engine:
             self.engine.start()
-        log.info("serving %s (max context %d)", self.config.model_name, self.engine.max_context)
+        log.info("serving %s (max context %d)", self.config.model_name, self.max_context)
         try:
             yield
         finally:
@@ -152,7 +162,7 @@ class Server:
             "object": "model",
             "created": self.created,
             "owned_by": "tokencache",
-            "max_model_len": self.engine.max_context,
+            "max_model_len": self.max_context,
         }
 
     async def models(self, _request: Request) -> Response:
@@ -217,7 +227,7 @@ class Server:
         return [int(t) for t in ids]
 
     def _max_tokens(self, params: GenerationParams, prompt_len: int, default: int) -> int:
-        limit = self.engine.max_context
+        limit = self.max_context
         if prompt_len >= limit or (
             params.max_tokens is not None and prompt_len + params.max_tokens > limit
         ):

@@ -15,55 +15,62 @@ from prometheus_client.registry import Collector
 PREFIX = "tokencache"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-# Engine counters (monotonic) among RoutedEngine.metrics()' keys; the rest are gauges.
-_ENGINE_COUNTERS = (
-    "requests_submitted",
-    "requests_finished",
-    "tokens_generated",
-    "tokens_large",
-    "escalations",
+# Monotonic keys among RoutedEngine.metrics()' (exported as counters); the others are gauges,
+# and "<model>_kv_slots_<state>" keys become one labelled gauge.
+_ENGINE_COUNTERS = frozenset(
+    (
+        "requests_submitted",
+        "requests_finished",
+        "requests_aborted",
+        "requests_failed",
+        "tokens_generated",
+        "tokens_large",
+        "escalations",
+        "catchups",
+        "preemptions",
+        "small_steps",
+    )
 )
+_MODELS = ("small", "large")
 
 
 class EngineCollector(Collector):
-    """Exports RoutedEngine.metrics() at each scrape."""
+    """Exports RoutedEngine.metrics() at each scrape (every key it has, so new keys appear)."""
 
     def __init__(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
         m = dict(self._snapshot())
-        for key in _ENGINE_COUNTERS:
-            if key in m:
-                c = CounterMetricFamily(f"{PREFIX}_engine_{key}", f"engine {key.replace('_', ' ')}")
+        slots = GaugeMetricFamily(
+            f"{PREFIX}_kv_slots",
+            "KV pool slots per model and state (used = not free; cached = held by the tree)",
+            labels=["model", "state"],
+        )
+        for key in sorted(m):
+            model, _, state = key.partition("_kv_slots_")
+            if model in _MODELS and state:
+                slots.add_metric([model, state], float(m[key]))
+                continue
+            name = f"{PREFIX}_engine_{key}"
+            doc = f"RoutedEngine.metrics()['{key}']"
+            if key in _ENGINE_COUNTERS:
+                c = CounterMetricFamily(name, doc)
                 c.add_metric([], float(m[key]))
                 yield c
-        tokens, large = float(m.get("tokens_generated", 0)), float(m.get("tokens_large", 0))
+            else:
+                g = GaugeMetricFamily(name, doc)
+                g.add_metric([], float(m[key]))
+                yield g
+        yield slots
+        # Each escalation has the large model write one token (unless aborted meanwhile).
+        tokens = float(m.get("tokens_generated", 0))
+        large = float(m.get("tokens_large", m.get("escalations", 0)))
         share = GaugeMetricFamily(
             f"{PREFIX}_escalation_share", "share of generated tokens written by the large model"
         )
         share.add_metric([], large / tokens if tokens else 0.0)
         yield share
-        gauges = {
-            "requests_running": "requests admitted by the engine",
-            "requests_waiting": "requests queued for admission",
-            "small_batch_occupancy": "mean small-model batch size over running requests",
-            "bookkeeping_share": "tree/cursor time over forwards plus bookkeeping",
-        }
-        for key, doc in gauges.items():
-            if key in m:
-                g = GaugeMetricFamily(f"{PREFIX}_engine_{key}", doc)
-                g.add_metric([], float(m[key]))
-                yield g
-        slots = GaugeMetricFamily(
-            f"{PREFIX}_kv_slots", "KV pool slots per model and state", labels=["model", "state"]
-        )
-        for model in ("small", "large"):
-            for state in ("used", "cached", "free"):
-                key = f"{model}_kv_slots_{state}"
-                if key in m:
-                    slots.add_metric([model, state], float(m[key]))
-        yield slots
 
 
 class ServerMetrics:

@@ -13,13 +13,17 @@ from tokencache_models import CausalLM, ModelConfig, random_model
 
 TINY_VOCAB = 96
 SPECIALS = ("<unk>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>")
+# EntropyRouter threshold at which tiny_pair's small model escalates roughly 40% of its tokens.
+TINY_ENTROPY_THRESHOLD = 3.4
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
 
-def tiny_config(layers: int, vocab: int = TINY_VOCAB, hidden: int = 32) -> ModelConfig:
+def tiny_config(
+    layers: int, vocab: int = TINY_VOCAB, hidden: int = 32, max_position: int = 512
+) -> ModelConfig:
     # Untied head and a wide init (std 0.3 below): varied greedy outputs, clear argmax margins.
     return ModelConfig(
         model_type="llama",
@@ -30,20 +34,19 @@ def tiny_config(layers: int, vocab: int = TINY_VOCAB, hidden: int = 32) -> Model
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position,
     )
 
 
 def tiny_pair(
-    small_layers: int = 1, large_layers: int = 2, hidden: int = 32
+    small_layers: int = 1, large_layers: int = 2, hidden: int = 32, max_position: int = 512
 ) -> tuple[CausalLM, CausalLM]:
-    small = random_model(
-        tiny_config(small_layers, hidden=hidden), seed=1, std=0.3, attention_backend="torch"
-    )
-    large = random_model(
-        tiny_config(large_layers, hidden=hidden), seed=2, std=0.3, attention_backend="torch"
-    )
-    return small.eval(), large.eval()
+    """Random weights (seeds 1 and 2), one vocabulary; the torch attention backend (CPU)."""
+    models = []
+    for seed, layers in ((1, small_layers), (2, large_layers)):
+        cfg = tiny_config(layers, hidden=hidden, max_position=max_position)
+        models.append(random_model(cfg, seed=seed, std=0.3, attention_backend="torch").eval())
+    return models[0], models[1]
 
 
 def tiny_tokenizer(vocab: int = TINY_VOCAB) -> Any:
