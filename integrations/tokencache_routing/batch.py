@@ -160,7 +160,8 @@ def sample(logits: torch.Tensor, batch: Sequence[Request]) -> torch.Tensor:
 def route_step(
     router: Router, out: ForwardOutput, batch: Sequence[Request]
 ) -> tuple[torch.Tensor, list[bool]]:
-    """One small-model step's greedy tokens and the router's escalate answers."""
+    """One small-model step's tokens and the router's escalate answers. A router may answer
+    with a bool tensor, a numpy array or a list, one entry per request."""
     tok = sample(out.logits, batch)
     feats = RouterFeatures(
         logits=out.logits,
@@ -169,4 +170,13 @@ def route_step(
         positions=torch.tensor([r.num_generated for r in batch], dtype=torch.int64),
         rids=torch.tensor([r.route_key for r in batch], dtype=torch.int64),
     )
-    return tok, router.route(feats).tolist()
+    answer = router.route(feats)
+    if isinstance(answer, torch.Tensor):
+        answer = answer.detach().cpu()
+    arr = np.asarray(answer)
+    if arr.dtype.kind not in "biu":
+        raise TypeError(f"router answered {type(answer).__name__} of {arr.dtype}, not booleans")
+    decisions = torch.from_numpy(arr.astype(bool)).reshape(-1)
+    if decisions.numel() != len(batch):
+        raise ValueError(f"router answered {decisions.numel()} decisions for {len(batch)} requests")
+    return tok, decisions.tolist()

@@ -1,0 +1,406 @@
+"""Failures lose nothing: an engine that fails, is interrupted or is misused releases every
+slot and pin, says why, and the next generate is exact."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from routing_helpers import VOCAB, make_prompts
+from test_exactness import bernoulli_decide
+from test_threaded import no_worker_threads
+
+from tokencache_routing import (
+    BernoulliRouter,
+    RoutedEngine,
+    Router,
+    SamplingParams,
+    SchedulerConfig,
+    ScriptedRouter,
+    reference_generate,
+)
+
+MODES = [("tokencache", "events"), ("naive", "events"), ("tokencache", "threaded")]
+
+
+def check_idle(eng: RoutedEngine) -> None:
+    """Every slot free or cached, nothing pinned, trees consistent, no worker left."""
+    assert eng.idle_invariant()
+    for side in eng.sides:
+        assert side.pool.available + side.cached_size() == side.pool.num_slots
+        assert side.pinned_size() == 0
+        side.tree.check_invariants()
+    assert no_worker_threads()
+
+
+def snapshot(eng: RoutedEngine) -> tuple[Any, ...]:
+    sides = [(s.pool.available, s.cached_size(), s.pinned_size()) for s in eng.sides]
+    return (*sides, eng.stats.tokens, eng.stats.steps, len(eng.sched.waiting))
+
+
+def check_exact(eng: RoutedEngine, pair: Any, router: BernoulliRouter, n: int = 3) -> None:
+    prompts = make_prompts(n, seed=77, shared=4)
+    res = eng.generate(prompts, 6)
+    ref, _ = reference_generate(*pair, prompts, 6, bernoulli_decide(router))
+    assert res.tokens == ref
+    check_idle(eng)
+
+
+class Flaky:
+    """Raises `error` on calls for which `when(call_index)` is true."""
+
+    def __init__(self, fn: Callable[..., Any], when: Callable[[int], bool], error: Any) -> None:
+        self.fn, self.when, self.error, self.calls = fn, when, error, 0
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        i = self.calls
+        self.calls += 1
+        if self.when(i):
+            raise self.error
+        return self.fn(*a, **k)
+
+
+class FlakyModel:
+    """A CausalLM whose forward fails at chosen calls (everything else delegated)."""
+
+    def __init__(self, model: Any, when: Callable[[int], bool], error: Any) -> None:
+        self._model = model
+        self._call = Flaky(model, when, error)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        return self._call(*a, **k)
+
+
+class FlakyRouter(Router):
+    def __init__(self, inner: Router, when: Callable[[int], bool], error: Any) -> None:
+        self.inner = inner
+        self.call = Flaky(inner.route, when, error)
+
+    def route(self, f: Any) -> Any:
+        return self.call(f)
+
+
+# ---------------------------------------------------------------- item 1: concurrent callers
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_two_threads_generate_on_one_engine(pair: Any, dispatch: str, mode: str) -> None:
+    router = BernoulliRouter(0.3, seed=3)
+    eng = RoutedEngine(*pair, router, 512, dispatch=dispatch, mode=mode)
+    jobs = [make_prompts(4, seed=60, shared=5), make_prompts(3, seed=61)]
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = eng.generate(jobs[i], 9)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for i, prompts in enumerate(jobs):
+        ref, _ = reference_generate(*pair, prompts, 9, bernoulli_decide(router))
+        assert results[i].tokens == ref
+    check_idle(eng)
+
+
+def test_submit_from_many_threads_with_background_driver(pair: Any) -> None:
+    router = BernoulliRouter(0.2, seed=4)
+    eng = RoutedEngine(*pair, router, 512, scheduler=SchedulerConfig(max_running=3))
+    eng.start()
+    prompts = make_prompts(8, seed=62, shared=3)
+    handles: list[Any] = [None] * len(prompts)
+
+    def submit(i: int) -> None:
+        handles[i] = eng.submit(prompts[i], 7, route_key=i)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(h.wait(60) for h in handles)
+    ref, ref_models = reference_generate(*pair, prompts, 7, bernoulli_decide(router))
+    assert [h.tokens for h in handles] == ref and [h.models for h in handles] == ref_models
+    assert [h.finished_reason for h in handles] == ["length"] * len(prompts)
+    eng.shutdown()
+    check_idle(eng)
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.submit(prompts[0], 3)
+
+
+# ---------------------------------------------------------------- item 2: naive at page > 1
+
+
+def test_naive_page_two_handoff_frees_the_partial_page(pair: Any) -> None:
+    router = ScriptedRouter({0: [2]})
+    prompt = make_prompts(1, seed=63, lo=7, hi=7)
+    eng = RoutedEngine(*pair, router, 64, dispatch="naive", page_size=2)
+    res = eng.generate(prompt, 6)
+    ref, _ = reference_generate(*pair, prompt, 6, router.decide)
+    assert res.tokens == ref
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("dispatch", ["naive", "tokencache"])
+def test_page_four_small_pool_runs_to_the_end(pair: Any, dispatch: str) -> None:
+    router = BernoulliRouter(0.2, seed=5)
+    prompts = make_prompts(8, seed=64, lo=3, hi=8)
+    eng = RoutedEngine(*pair, router, 64, dispatch=dispatch, page_size=4)
+    res = eng.generate(prompts, 30)
+    ref, _ = reference_generate(*pair, prompts, 30, bernoulli_decide(router))
+    assert res.tokens == ref
+    check_idle(eng)
+
+
+# ---------------------------------------------------------------- items 3-4: failures
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+@pytest.mark.parametrize("which", ["small", "large"])
+def test_forward_error_releases_the_batch(pair: Any, dispatch: str, mode: str, which: str) -> None:
+    small, large = pair
+    router = BernoulliRouter(0.4, seed=6)
+    boom = RuntimeError("forward failed")
+    if which == "small":
+        small = FlakyModel(small, lambda i: i == 3, boom)
+    else:
+        large = FlakyModel(large, lambda i: i == 1, boom)
+    eng = RoutedEngine(small, large, router, 256, dispatch=dispatch, mode=mode)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        eng.generate(make_prompts(4, seed=65, shared=3), 10)
+    check_idle(eng)
+    assert eng.stats.failed >= 1
+    check_exact(eng, pair, router)
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_router_error_releases_pins(pair: Any, dispatch: str, mode: str) -> None:
+    inner = BernoulliRouter(0.3, seed=7)
+    router = FlakyRouter(inner, lambda i: i == 4, ValueError("router failed"))
+    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
+    with pytest.raises(ValueError, match="router failed"):
+        eng.generate(make_prompts(5, seed=66, shared=9), 12)
+    check_idle(eng)
+    eng.router = eng.sched.router = inner
+    check_exact(eng, pair, inner)
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_keyboard_interrupt_mid_stream(pair: Any, dispatch: str, mode: str) -> None:
+    inner = BernoulliRouter(0.3, seed=8)
+    router = FlakyRouter(inner, lambda i: i == 3, KeyboardInterrupt())
+    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(make_prompts(5, seed=67, shared=6), 12)
+    check_idle(eng)
+    eng.router = eng.sched.router = inner
+    check_exact(eng, pair, inner)
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_allocator_memory_error_mid_stream(pair: Any, dispatch: str, mode: str) -> None:
+    router = BernoulliRouter(0.3, seed=9)
+    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
+    pool = eng.large.pool
+    real = pool.alloc
+    pool.alloc = Flaky(real, lambda i: i == 2, MemoryError("no memory"))  # type: ignore[method-assign]
+    with pytest.raises(MemoryError, match="no memory"):
+        eng.generate(make_prompts(5, seed=68, shared=6), 12)
+    pool.alloc = real  # type: ignore[method-assign]
+    check_idle(eng)
+    check_exact(eng, pair, router)
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_abandoned_stream_releases_everything(pair: Any, dispatch: str, mode: str) -> None:
+    router = BernoulliRouter(0.3, seed=10)
+    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
+    it = eng.stream(make_prompts(5, seed=69, shared=6), 20)
+    for _ in range(7):
+        next(it)
+    it.close()
+    check_idle(eng)
+    check_exact(eng, pair, router)
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_fault_injection_soak(pair: Any, dispatch: str, mode: str) -> None:
+    """Forward, router and allocator fail at random steps over many seeded runs: after each
+    run nothing leaks and a clean run is exact."""
+    small, large = pair
+    inner = BernoulliRouter(0.3, seed=11)
+    for seed in range(6):
+        rng = random.Random(seed)
+        rates = [rng.choice([0.0, 0.1, 0.3]) for _ in range(4)]
+        flaky_small = FlakyModel(small, lambda i, r=rates[0], g=rng: g.random() < r, OSError("s"))
+        flaky_large = FlakyModel(large, lambda i, r=rates[1], g=rng: g.random() < r, OSError("l"))
+        router = FlakyRouter(inner, lambda i, r=rates[2], g=rng: g.random() < r, OSError("r"))
+        page = rng.choice([1, 2, 4])
+        sched = SchedulerConfig(max_running=rng.choice([2, 4]), min_large_batch=2, max_wait_steps=1)
+        eng = RoutedEngine(
+            flaky_small, flaky_large, router, 96, dispatch=dispatch, mode=mode, page_size=page,
+            scheduler=sched,
+        )  # fmt: skip
+        pool = eng.small.pool
+        real = pool.alloc
+        pool.alloc = Flaky(real, lambda i, r=rates[3], g=rng: g.random() < r, MemoryError("a"))  # type: ignore[method-assign]
+        prompts = make_prompts(6, seed=100 + seed, shared=5, lo=2, hi=9)
+        with contextlib.suppress(OSError, MemoryError):
+            eng.generate(prompts, 10)
+        check_idle(eng)
+        pool.alloc = real  # type: ignore[method-assign]
+        flaky_small._call.when = flaky_large._call.when = router.call.when = lambda i: False
+        check_exact(eng, pair, inner)
+
+
+# ---------------------------------------------------------------- item 5: validation
+
+
+@pytest.mark.parametrize(
+    "prompts,max_new,error",
+    [
+        ([[1, 2], [3, 1.7]], 4, TypeError),  # floats are not token ids
+        ([[1, 2], [3, VOCAB]], 4, ValueError),  # outside the vocabulary
+        ([[1, 2], [-1]], 4, ValueError),
+        ([[1, 2], []], 4, ValueError),
+        ([[1, 2]], -1, ValueError),
+        ([[1, 2]], 1.5, TypeError),
+        ([[1, 2]], True, TypeError),
+        ("hello", 4, TypeError),
+        ([[1, 2], [3] * 300], 10, ValueError),  # can never fit a 256-slot pool
+    ],
+)
+def test_bad_input_is_refused_before_any_work(
+    pair: Any, prompts: Any, max_new: Any, error: type
+) -> None:
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3), 256)
+    eng.generate([[4, 5, 6]], 3)  # warm trees
+    before = snapshot(eng)
+    with pytest.raises(error):
+        eng.generate(prompts, max_new)
+    assert snapshot(eng) == before
+    check_idle(eng)
+
+
+def test_submit_validates_sampling_and_stop_ids(pair: Any) -> None:
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3), 256)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+    with pytest.raises(TypeError):
+        eng.submit([1, 2], 3, sampling={"temperature": 1.0})  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        eng.submit([1, 2], 3, stop_token_ids=[VOCAB + 5])
+    assert eng.metrics()["requests_submitted"] == 0
+    h = eng.submit([1, 2], 0)
+    assert h.done() and h.finished_reason == "length" and h.tokens == []
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_running": 0},
+        {"max_running": -1},
+        {"max_running": True},
+        {"min_large_batch": 0},
+        {"max_wait_steps": -1},
+        {"max_large_batch": 0},
+        {"max_wait_s": -0.5},
+        {"max_wait_s": float("nan")},
+        {"max_parked": -1},
+    ],
+)
+def test_scheduler_config_refuses_values_that_would_hang(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="SchedulerConfig"):
+        SchedulerConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_slots": 0},
+        {"large_num_slots": 0},
+        {"num_slots": 2.5},
+        {"page_size": 0},
+        {"large_step_cost": 0},
+        {"clock": "wall"},
+        {"topology": "three-devices"},
+    ],
+)
+def test_engine_config_is_checked(pair: Any, kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        RoutedEngine(*pair, BernoulliRouter(0.3), **kw)
+
+
+def test_abort_takes_an_index_not_a_bool(pair: Any) -> None:
+    eng = RoutedEngine(*pair, ScriptedRouter(), 256)
+    it = eng.stream(make_prompts(2, seed=70), 5)
+    next(it)
+    with pytest.raises(TypeError):
+        eng.abort(True)
+    with pytest.raises(TypeError):
+        eng.abort(1.0)  # type: ignore[arg-type]
+    it.close()
+    check_idle(eng)
+
+
+@pytest.mark.parametrize(
+    "answer", [lambda n: [False] * n, lambda n: np.zeros(n, dtype=bool), lambda n: [0] * n]
+)
+def test_router_may_answer_with_a_list_or_array(pair: Any, answer: Any) -> None:
+    class ListRouter(Router):
+        def route(self, f: Any) -> Any:
+            return answer(len(f.rids))
+
+    prompts = make_prompts(3, seed=71)
+    eng = RoutedEngine(*pair, ListRouter(), 256)
+    res = eng.generate(prompts, 5)
+    ref, _ = reference_generate(*pair, prompts, 5, lambda r, p: False)
+    assert res.tokens == ref
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("answer", [lambda n: [False] * (n + 1), lambda n: ["x"] * n])
+def test_router_with_a_wrong_answer_is_refused_clearly(pair: Any, answer: Any) -> None:
+    class BadRouter(Router):
+        def route(self, f: Any) -> Any:
+            return answer(len(f.rids))
+
+    eng = RoutedEngine(*pair, BadRouter(), 256)
+    with pytest.raises((TypeError, ValueError), match="router answered"):
+        eng.generate(make_prompts(3, seed=72), 5)
+    check_idle(eng)
+
+
+def test_sampling_is_reproducible_per_seed(pair: Any) -> None:
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=12), 256)
+    prompt = make_prompts(1, seed=73)[0]
+    sp = SamplingParams(temperature=1.5, top_p=0.9, seed=1234)
+    a = eng.submit(prompt, 12, sampling=sp, route_key=5)
+    b = eng.submit(prompt, 12, sampling=sp, route_key=5)
+    c = eng.submit(prompt, 12, sampling=SamplingParams(temperature=1.5, seed=99), route_key=5)
+    for h in (a, b, c):
+        assert h.wait(60)
+    assert a.tokens == b.tokens and a.models == b.models
+    assert a.tokens != c.tokens  # a 96-token vocabulary at temperature 1.5: seeds diverge
+    router = BernoulliRouter(0.3, seed=12)
+    greedy = eng.submit(prompt, 12, route_key=0)  # routed as request 0 of the reference
+    assert greedy.wait(60)
+    ref, ref_models = reference_generate(*pair, [prompt], 12, bernoulli_decide(router))
+    assert greedy.tokens == ref[0] and greedy.models == ref_models[0]
+    check_idle(eng)
