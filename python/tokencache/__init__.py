@@ -11,11 +11,20 @@ context from the root.
     >>> cur.extend(np.array([5, 6, 7]), np.array([0, 1, 2]))
     >>> tree.match_prefix([5, 6, 9]).length
     2
+
+Every bad input raises a :class:`TokenCacheError` subclass and changes nothing. Two checks are
+opt-in (``RadixTree(strict_pages=..., strict_slots=...)``, both False by default):
+``PageAlignmentError`` for a page whose slots are not one aligned run fires only with
+``strict_pages=True``; ``DuplicateSlotError`` for a slot the tree already holds for another
+token fires only with ``strict_slots=True``. A slot repeated within one call is always refused.
 """
 
 from tokencache._native import (
     Cursor,
+    CursorBusyError,
     Dedup,
+    DuplicateCursorError,
+    DuplicateSlotError,
     ForeignHandleError,
     InsertResult,
     InvalidArgumentError,
@@ -34,7 +43,10 @@ from tokencache._native import (
 
 __all__ = [
     "Cursor",
+    "CursorBusyError",
     "Dedup",
+    "DuplicateCursorError",
+    "DuplicateSlotError",
     "ForeignHandleError",
     "InsertResult",
     "InvalidArgumentError",

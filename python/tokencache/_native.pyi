@@ -8,7 +8,10 @@ from numpy.typing import ArrayLike, NDArray
 __version__: str
 __all__ = [
     "Cursor",
+    "CursorBusyError",
     "Dedup",
+    "DuplicateCursorError",
+    "DuplicateSlotError",
     "ForeignHandleError",
     "InsertResult",
     "InvalidArgumentError",
@@ -36,6 +39,16 @@ class ShapeError(TokenCacheError, ValueError):
 
 class PageAlignmentError(TokenCacheError, ValueError):
     """Slots of one page are not one aligned run, or an operation would cut a shared page."""
+
+class DuplicateSlotError(TokenCacheError, ValueError):
+    """A KV slot given twice in one call, or (with strict_slots=True) a slot the tree
+    already holds for another token."""
+
+class DuplicateCursorError(TokenCacheError, ValueError):
+    """The same cursor appears twice in one extend_many batch."""
+
+class CursorBusyError(TokenCacheError, RuntimeError):
+    """A cursor is in use by a call on another thread (an extend_many in progress)."""
 
 class StaleHandleError(TokenCacheError, KeyError):
     """A node handle or cursor refers to a node that was evicted, truncated away or reset."""
@@ -124,7 +137,11 @@ class KVEvent:
 
 @final
 class Cursor:
-    """Where one request's sequence ends in the tree. Pins its path while alive."""
+    """Where one request's sequence ends in the tree. Pins its path while alive.
+
+    A cursor is used by one call at a time: while an extend_many on another thread holds it,
+    every call on it raises CursorBusyError (it never blocks).
+    """
 
     @property
     def length(self) -> int:
@@ -139,7 +156,12 @@ class Cursor:
     @property
     def released(self) -> bool: ...
     def extend(self, tokens: ArrayLike, slots: ArrayLike) -> Dedup | None:
-        """Append tokens with their KV slots in O(len(tokens)); returns the duplicates, if any."""
+        """Append tokens with their KV slots in O(len(tokens)); returns the duplicates, if any.
+
+        Raises DuplicateSlotError (changing nothing) if a slot occurs twice among `slots` and
+        the cursor's uncached tail, or, with strict_slots=True, if the tree holds it for
+        another token; PageAlignmentError for a misaligned page only with strict_pages=True.
+        """
     def record_hits(self, since: int) -> None:
         """Count an LFU hit on every path node that ends past `since` (SGLang's inserted_len)."""
     def touch(self) -> None:
@@ -155,12 +177,29 @@ class Cursor:
 
 @final
 class RadixTree:
+    """A radix KV-prefix tree (SGLang RadixCache semantics) with resumable cursors.
+
+    Every refused call raises a TokenCacheError subclass and changes nothing. Two checks are
+    opt-in, because they cost something on every call or constrain the allocator:
+
+    - strict_pages (default False): each whole page of slots must be one run starting at a
+      multiple of page_size, as a paged allocator hands them out; otherwise PageAlignmentError.
+      By default any slots are accepted for a page and PageAlignmentError is raised only by
+      Cursor.truncate into a shared page.
+    - strict_slots (default False): a slot the tree already holds may only be given again for
+      the very token it holds it for (a re-insert); otherwise DuplicateSlotError. The tree
+      keeps a set of its slots for this (one hash-set entry per cached token). By default
+      only a slot repeated within one call (insert, extend, or one extend_many batch with the
+      cursors' uncached tails) is refused, in O(slots given).
+    """
+
     def __new__(
         cls,
         page_size: int = 1,
         eviction_policy: str = "lru",
         enable_events: bool = False,
         strict_pages: bool = False,
+        strict_slots: bool = False,
     ) -> RadixTree: ...
     @property
     def page_size(self) -> int: ...
@@ -176,8 +215,14 @@ class RadixTree:
         namespace: str | None = None,
         inserted_len: int = 0,
     ) -> InsertResult:
-        """Cache tokens -> slots. Nodes within inserted_len (this caller's earlier insert)
-        count no new LFU hit, like SGLang's InsertParams.inserted_len."""
+        """Cache tokens -> slots (a tail shorter than a page is ignored).
+
+        Nodes within inserted_len (this caller's earlier insert) count no new LFU hit, like
+        SGLang's InsertParams.inserted_len; it must lie in [0, len(tokens)]
+        (InvalidArgumentError). A slot given twice raises DuplicateSlotError, as does one the
+        tree holds for another token with strict_slots=True; a misaligned page raises
+        PageAlignmentError only with strict_pages=True. A refused call changes nothing.
+        """
     def lock(self, node: Node) -> int:
         """Protect node and its ancestors; returns how many tokens became protected."""
     def unlock(self, node: Node) -> int:
@@ -218,4 +263,9 @@ class RadixTree:
         tokens: ArrayLike,
         slots: ArrayLike,
     ) -> Dedup:
-        """Extend cursors[i] with tokens[offsets[i]:offsets[i+1]] in one native call."""
+        """Extend cursors[i] with tokens[offsets[i]:offsets[i+1]] in one native call.
+
+        All checks run before any cursor moves, so a refused batch changes nothing: the same
+        cursor twice raises DuplicateCursorError, a cursor in use on another thread
+        CursorBusyError, a slot given twice anywhere in the batch DuplicateSlotError.
+        """

@@ -6,7 +6,11 @@ pub struct TreeConfig {
     pub policy: crate::policy::EvictionPolicy,
     pub enable_events: bool,
     /// Require every page's slots to be one aligned run (`slot % page_size` = offset in page).
+    /// Off by default: only whole-page shapes are then enforced.
     pub strict_pages: bool,
+    /// Refuse a slot the tree already holds for another token (one hash-set entry per cached
+    /// token). A slot given twice within one call is refused either way.
+    pub strict_slots: bool,
 }
 
 impl Default for TreeConfig {
@@ -16,6 +20,7 @@ impl Default for TreeConfig {
             policy: crate::policy::EvictionPolicy::Lru,
             enable_events: false,
             strict_pages: false,
+            strict_slots: false,
         }
     }
 }

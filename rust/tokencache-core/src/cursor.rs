@@ -15,7 +15,7 @@ use crate::inner::Inner;
 use crate::node::NodeId;
 use crate::shared::Shared;
 use crate::tree::RadixTree;
-use crate::validate::{validate_pages, validate_shape};
+use crate::validate::{first_duplicate, validate_held, validate_pages, validate_shape};
 
 /// Slots a cursor did not keep because the tree already held those tokens. The caller frees
 /// `freed[i]` and uses `slots[i]` for position `positions[i]` of request `request[i]`.
@@ -74,6 +74,10 @@ impl RadixTree {
     }
 
     /// Extend `cursors[i]` with `tokens[offsets[i]..offsets[i + 1]]` under one lock.
+    ///
+    /// Every check runs before any cursor moves, so a refused batch changes nothing: shapes,
+    /// a slot given twice anywhere in the batch (the cursors' uncached tails included), and
+    /// per cursor `strict_pages` and `strict_slots`.
     pub fn extend_many(
         &self,
         cursors: &mut [&mut Cursor],
@@ -102,14 +106,7 @@ impl RadixTree {
             }
             c.check(&inner)?;
         }
-        if self.shared.config.strict_pages {
-            // Check every cursor's pages before changing any, so a refusal changes nothing.
-            let page = inner.page();
-            for (i, c) in cursors.iter().enumerate() {
-                let all = [&c.pending_slots[..], &slots[offsets[i]..offsets[i + 1]]].concat();
-                validate_pages(&inner.config, &all[..all.len() / page * page])?;
-            }
-        }
+        validate_batch(&inner, cursors, offsets, tokens, slots)?;
         let mut dedup = Dedup::default();
         for (i, c) in cursors.iter_mut().enumerate() {
             let (a, b) = (offsets[i], offsets[i + 1]);
@@ -123,6 +120,57 @@ impl RadixTree {
         }
         Ok(dedup)
     }
+}
+
+/// The checks of `extend_many`, all read-only.
+fn validate_batch(
+    inner: &Inner,
+    cursors: &[&mut Cursor],
+    offsets: &[usize],
+    tokens: &[u32],
+    slots: &[i64],
+) -> Result<()> {
+    let dup = if cursors.iter().all(|c| c.pending_slots.is_empty()) {
+        first_duplicate(slots)
+    } else {
+        let tails = cursors.iter().flat_map(|c| c.pending_slots.iter());
+        first_duplicate(&tails.chain(slots).copied().collect::<Vec<_>>())
+    };
+    if let Some(s) = dup {
+        return Err(duplicate_in_batch(s, cursors, offsets, slots));
+    }
+    if !inner.config.strict_pages && inner.held.is_none() {
+        return Ok(());
+    }
+    let page = inner.page();
+    for (i, c) in cursors.iter().enumerate() {
+        let (a, b) = (offsets[i], offsets[i + 1]);
+        let (all_tokens, all_slots) = c.with_tail(&tokens[a..b], &slots[a..b]);
+        validate_pages(&inner.config, &all_slots[..all_slots.len() / page * page])?;
+        validate_held(inner, c.node, &all_tokens, &all_slots)?;
+    }
+    Ok(())
+}
+
+/// Where slot `s` occurs in a batch (the error path only: it scans again).
+fn duplicate_in_batch(s: i64, cursors: &[&mut Cursor], offsets: &[usize], slots: &[i64]) -> Error {
+    let mut places = Vec::new();
+    for (i, c) in cursors.iter().enumerate() {
+        if c.pending_slots.contains(&s) {
+            places.push(format!("request {i}'s uncached tail"));
+        }
+        let at: Vec<usize> = (offsets[i]..offsets[i + 1])
+            .filter(|&j| slots[j] == s)
+            .map(|j| j - offsets[i])
+            .collect();
+        if !at.is_empty() {
+            places.push(format!("request {i} at {at:?}"));
+        }
+    }
+    Error::DuplicateSlot(format!(
+        "slot {s} is given more than once in one call ({})",
+        places.join(", ")
+    ))
 }
 
 impl Cursor {
@@ -190,15 +238,27 @@ impl Cursor {
 
     /// Append tokens with their slots. Where the tree already holds them (another request
     /// cached the same continuation), the cursor follows the shared path and reports the
-    /// caller's slots that became duplicates.
+    /// caller's slots that became duplicates. A batch of one: refused exactly as
+    /// `RadixTree::extend_many` refuses, changing nothing.
     pub fn extend(&mut self, tokens: &[u32], slots: &[i64]) -> Result<Dedup> {
-        validate_shape(tokens, slots)?;
-        let shared = self.shared.clone();
-        let mut inner = shared.lock();
-        self.check(&inner)?;
-        let mut dedup = Dedup::default();
-        self.extend_locked(&mut inner, tokens, slots, 0, &mut dedup)?;
-        Ok(dedup)
+        let tree = self.tree();
+        tree.extend_many(&mut [self], &[0, tokens.len()], tokens, slots)
+    }
+
+    /// The uncached tail followed by `tokens` and `slots`, copied only when there is a tail.
+    fn with_tail<'a>(
+        &self,
+        tokens: &'a [u32],
+        slots: &'a [i64],
+    ) -> (Cow<'a, [u32]>, Cow<'a, [i64]>) {
+        if self.pending_tokens.is_empty() {
+            (Cow::Borrowed(tokens), Cow::Borrowed(slots))
+        } else {
+            (
+                Cow::Owned([&self.pending_tokens[..], tokens].concat()),
+                Cow::Owned([&self.pending_slots[..], slots].concat()),
+            )
+        }
     }
 
     fn extend_locked(
@@ -211,16 +271,8 @@ impl Cursor {
     ) -> Result<()> {
         let page = inner.page();
         // Whole pages go into the tree; a partial tail stays with the cursor until it fills.
-        let (all_tokens, all_slots): (Cow<[u32]>, Cow<[i64]>) = if self.pending_tokens.is_empty() {
-            (Cow::Borrowed(tokens), Cow::Borrowed(slots))
-        } else {
-            (
-                Cow::Owned([&self.pending_tokens[..], tokens].concat()),
-                Cow::Owned([&self.pending_slots[..], slots].concat()),
-            )
-        };
+        let (all_tokens, all_slots) = self.with_tail(tokens, slots);
         let end = all_tokens.len() / page * page;
-        validate_pages(&inner.config, &all_slots[..end])?;
         let base = self.cached_len as i64;
         let hits = Some(0); // everything past the cursor is newly inserted by this request
         let (mut node, pos) = inner.descend(self.node, &all_tokens[..end], hits, &mut |run, at| {
@@ -446,5 +498,6 @@ fn remove_claimed(inner: &mut Inner, id: NodeId) -> (Vec<u32>, Vec<i64>) {
     inner.arena[parent].cell.add_protected_child(false);
     inner.reconcile(parent);
     inner.sync_leaf(parent);
+    inner.release_held(&node.slots);
     (node.tokens, node.slots)
 }

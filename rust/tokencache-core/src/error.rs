@@ -12,6 +12,10 @@ pub enum Error {
     /// Slots of a page are not one aligned run, or a truncation would cut a shared page.
     #[error("{0}")]
     PageAlignment(String),
+    /// One slot given twice in a call, or (with `strict_slots`) a slot the tree already holds
+    /// for another token.
+    #[error("{0}")]
+    DuplicateSlot(String),
     /// The handle's node was evicted, truncated away or reset.
     #[error("{0}")]
     StaleHandle(String),

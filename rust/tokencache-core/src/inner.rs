@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::cell::{Crossing, NodeCell};
 use crate::config::{Sizes, TreeConfig};
@@ -30,6 +30,8 @@ pub(crate) struct Inner {
     /// Per namespace: the digest a namespace's first page chains from (SGLang seeds salted
     /// namespaces so their events differ).
     pub event_seeds: FxHashMap<u32, Digest>,
+    /// Every slot in the tree, kept only with `strict_slots`.
+    pub held: Option<FxHashSet<i64>>,
 }
 
 impl Inner {
@@ -46,6 +48,7 @@ impl Inner {
             #[cfg(feature = "fault-injection")]
             fault: None,
             event_seeds: FxHashMap::default(),
+            held: config.strict_slots.then(FxHashSet::default),
         };
         inner.root(None);
         inner
@@ -202,6 +205,9 @@ impl Inner {
         };
         let key = PageKey::from_slice(&tokens[..self.page()]);
         let len = tokens.len();
+        if let Some(held) = &mut self.held {
+            held.extend(&slots);
+        }
         let id = self.arena.insert(Node {
             parent: Some(parent),
             children: FxHashMap::default(),
@@ -321,6 +327,43 @@ impl Inner {
         (node, pos)
     }
 
+    /// Read-only twin of `descend`: follow whole pages of `tokens` from `start` without
+    /// splitting or touching, passing each matched run of tree slots to `seen(run, pos)`;
+    /// returns the matched length.
+    pub fn walk(
+        &self,
+        start: NodeId,
+        tokens: &[u32],
+        seen: &mut dyn FnMut(&[i64], usize),
+    ) -> usize {
+        let page = self.page();
+        let end = tokens.len() / page * page;
+        let (mut node, mut pos) = (start, 0);
+        while pos < end {
+            let Some(&child) = self.arena[node].children.get(&tokens[pos..pos + page]) else {
+                break;
+            };
+            let c = &self.arena[child];
+            let matched = common_prefix(&c.tokens, &tokens[pos..end]) / page * page;
+            seen(&c.slots[..matched], pos);
+            pos += matched;
+            if matched < c.len() {
+                break;
+            }
+            node = child;
+        }
+        pos
+    }
+
+    /// Forget slots that just left the tree (`strict_slots` bookkeeping).
+    pub fn release_held(&mut self, slots: &[i64]) {
+        if let Some(held) = &mut self.held {
+            for s in slots {
+                held.remove(s);
+            }
+        }
+    }
+
     /// Remove an unpinned leaf (already marked dead) and return its slots.
     pub fn remove_leaf(&mut self, id: NodeId) -> Vec<i64> {
         let page = self.page();
@@ -340,6 +383,7 @@ impl Inner {
         self.sizes.total -= node.len();
         self.record_removed(parent, &node);
         self.sync_leaf(parent);
+        self.release_held(&node.slots);
         node.slots
     }
 

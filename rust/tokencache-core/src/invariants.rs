@@ -1,7 +1,9 @@
 //! Every structural and accounting invariant of the tree, checked from scratch. Tests call this
 //! after every operation; it is O(tree size) and never used on a hot path.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
+
+use rustc_hash::FxHashSet;
 
 use crate::cell::NodeCell;
 use crate::config::Sizes;
@@ -21,7 +23,7 @@ pub(crate) fn check(inner: &Inner) -> Result<(), String> {
     let policy = inner.config.policy;
     let mut sizes = Sizes::default();
     let mut leaves = BTreeSet::new();
-    let mut slots_seen = HashSet::new();
+    let mut slots_seen = FxHashSet::default();
     let mut reached = 0usize;
 
     for (ns, &root) in &inner.roots {
@@ -128,5 +130,13 @@ pub(crate) fn check(inner: &Inner) -> Result<(), String> {
         leaves == inner.leaves,
         "leaf set differs from the evictable leaves"
     );
+    if let Some(held) = &inner.held {
+        ensure!(
+            *held == slots_seen,
+            "strict_slots set has {} slots, the nodes hold {}",
+            held.len(),
+            slots_seen.len()
+        );
+    }
     Ok(())
 }

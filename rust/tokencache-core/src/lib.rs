@@ -37,4 +37,6 @@ pub use policy::EvictionPolicy;
 pub use tree::RadixTree;
 
 #[cfg(test)]
+mod refusal_tests;
+#[cfg(test)]
 mod tests;

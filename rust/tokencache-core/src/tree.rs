@@ -23,7 +23,7 @@ use crate::handle::{InsertOutput, MatchOutput, NodeHandle};
 use crate::inner::Inner;
 use crate::node::{LeafKey, NodeId, PageKey};
 use crate::shared::Shared;
-use crate::validate::validate;
+use crate::validate::{validate_held, validate_insert};
 
 static NEXT_TREE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -84,8 +84,10 @@ impl RadixTree {
 
     /// Cache `tokens` -> `slots` (a tail shorter than a page is ignored).
     ///
-    /// `inserted_len` is how much of `tokens` this caller inserted before (SGLang's
-    /// `InsertParams.inserted_len`): nodes up to there do not count another LFU hit.
+    /// `inserted_len` (at most `tokens.len()`) is how much of `tokens` this caller inserted
+    /// before (SGLang's `InsertParams.inserted_len`): nodes up to there count no new LFU hit.
+    /// Refused, changing nothing: a slot given twice, and with `strict_slots` a slot the tree
+    /// holds for another token.
     pub fn insert(
         &self,
         tokens: &[u32],
@@ -93,8 +95,16 @@ impl RadixTree {
         namespace: Option<&str>,
         inserted_len: usize,
     ) -> Result<InsertOutput> {
-        validate(&self.shared.config, tokens, slots)?;
+        validate_insert(&self.shared.config, tokens, slots, inserted_len)?;
         let mut inner = self.shared.lock();
+        if inner.held.is_some() {
+            // An unknown namespace holds nothing yet; look before `root` creates it.
+            if let Some(&root) = inner.roots.get(&namespace.map(str::to_owned)) {
+                validate_held(&inner, root, tokens, slots)?;
+            } else {
+                validate_held(&inner, inner.roots[&None], &[], slots)?;
+            }
+        }
         let end = tokens.len() / inner.page() * inner.page();
         let root = inner.root(namespace);
         let (mut node, prefix_len) =
@@ -188,7 +198,11 @@ impl RadixTree {
                 + size_of::<NodeCell>()
                 + 2 * size_of::<usize>();
         }
-        bytes + inner.leaves.len() * (size_of::<LeafKey>() + size_of::<usize>())
+        let held = inner
+            .held
+            .as_ref()
+            .map_or(0, |h| h.capacity() * (size_of::<i64>() + 1));
+        bytes + held + inner.leaves.len() * (size_of::<LeafKey>() + size_of::<usize>())
     }
 
     pub fn node_count(&self) -> usize {
@@ -200,6 +214,7 @@ impl RadixTree {
     pub fn reset(&self) -> Vec<i64> {
         let mut inner = self.shared.lock();
         let mut slots = Vec::with_capacity(inner.sizes.total);
+        // A fresh `Inner` below starts a fresh `strict_slots` set.
         for node in inner.arena.clear() {
             node.cell.kill();
             slots.extend(node.slots);

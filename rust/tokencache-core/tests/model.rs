@@ -135,10 +135,12 @@ fn ensure(cond: bool, msg: impl Into<String>) -> Result<(), TestCaseError> {
 }
 
 impl Harness {
-    fn new(page: usize, policy: EvictionPolicy, fault: Option<Fault>) -> Self {
+    fn new(page: usize, policy: EvictionPolicy, strict_slots: bool, fault: Option<Fault>) -> Self {
         let config = TreeConfig {
             page_size: page,
             policy,
+            // Fresh slots never clash; this checks the held-slot set's bookkeeping.
+            strict_slots,
             ..TreeConfig::default()
         };
         let tree = RadixTree::new(config).unwrap();
@@ -557,10 +559,11 @@ impl Harness {
 fn run(
     page: usize,
     policy: EvictionPolicy,
+    strict_slots: bool,
     fault: Option<Fault>,
     ops: &[Op],
 ) -> Result<(), TestCaseError> {
-    let mut h = Harness::new(page, policy, fault);
+    let mut h = Harness::new(page, policy, strict_slots, fault);
     for op in ops {
         h.apply(op)?;
     }
@@ -582,9 +585,10 @@ proptest! {
     fn tree_matches_reference(
         page in prop_oneof![Just(1usize), Just(2), Just(4)],
         policy in policies(),
+        strict_slots in any::<bool>(),
         ops in prop::collection::vec(op(), 1..60),
     ) {
-        run(page, policy, None, &ops)?;
+        run(page, policy, strict_slots, None, &ops)?;
     }
 }
 
@@ -602,7 +606,7 @@ fn harness_catches_planted_bugs() {
             prop::collection::vec(op(), 1..60),
         );
         let result = runner.run(&strategy, |(page, ops)| {
-            run(page, EvictionPolicy::Lru, Some(fault), &ops)
+            run(page, EvictionPolicy::Lru, false, Some(fault), &ops)
         });
         assert!(result.is_err(), "planted fault {fault:?} went unnoticed");
     }

@@ -12,6 +12,9 @@ pub(crate) struct Classes {
     pub invalid_token: Py<PyType>,
     pub shape: Py<PyType>,
     pub page_alignment: Py<PyType>,
+    pub duplicate_slot: Py<PyType>,
+    pub duplicate_cursor: Py<PyType>,
+    pub cursor_busy: Py<PyType>,
     pub stale: Py<PyType>,
     pub foreign: Py<PyType>,
     pub lock_state: Py<PyType>,
@@ -64,6 +67,25 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "Slots of one page are not one aligned run, or an operation would cut a shared page.",
             vec![b(), value()],
         )?,
+        duplicate_slot: make(
+            py,
+            "DuplicateSlotError",
+            "A KV slot given twice in one call, or (with strict_slots=True) a slot the tree \
+             already holds for another token.",
+            vec![b(), value()],
+        )?,
+        duplicate_cursor: make(
+            py,
+            "DuplicateCursorError",
+            "The same cursor appears twice in one extend_many batch.",
+            vec![b(), value()],
+        )?,
+        cursor_busy: make(
+            py,
+            "CursorBusyError",
+            "A cursor is in use by a call on another thread (an extend_many in progress).",
+            vec![b(), py.get_type::<PyRuntimeError>()],
+        )?,
         stale: make(
             py,
             "StaleHandleError",
@@ -95,6 +117,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("InvalidTokenError", &classes.invalid_token),
         ("ShapeError", &classes.shape),
         ("PageAlignmentError", &classes.page_alignment),
+        ("DuplicateSlotError", &classes.duplicate_slot),
+        ("DuplicateCursorError", &classes.duplicate_cursor),
+        ("CursorBusyError", &classes.cursor_busy),
         ("StaleHandleError", &classes.stale),
         ("ForeignHandleError", &classes.foreign),
         ("LockStateError", &classes.lock_state),
@@ -120,10 +145,33 @@ pub(crate) fn to_py(e: Error) -> PyErr {
             Error::InvalidToken { .. } => raise(py, &c.invalid_token, msg),
             Error::Shape(_) => raise(py, &c.shape, msg),
             Error::PageAlignment(_) => raise(py, &c.page_alignment, msg),
+            Error::DuplicateSlot(_) => raise(py, &c.duplicate_slot, msg),
             Error::StaleHandle(_) => raise(py, &c.stale, msg),
             Error::ForeignHandle(_) => raise(py, &c.foreign, msg),
             Error::LockState(_) => raise(py, &c.lock_state, msg),
             Error::InvalidArgument(_) => raise(py, &c.invalid_argument, msg),
+        }
+    })
+}
+
+/// Errors of the binding itself: Python objects the core never sees.
+pub(crate) enum BindingError {
+    DuplicateCursor(String),
+    CursorBusy,
+}
+
+pub(crate) fn binding_error(e: BindingError) -> PyErr {
+    Python::with_gil(|py| {
+        let c = CLASSES
+            .get(py)
+            .expect("tokencache._native initialised its exceptions");
+        match e {
+            BindingError::DuplicateCursor(msg) => raise(py, &c.duplicate_cursor, msg),
+            BindingError::CursorBusy => raise(
+                py,
+                &c.cursor_busy,
+                "cursor is in use by a call on another thread (an extend_many in progress)".into(),
+            ),
         }
     })
 }

@@ -10,7 +10,8 @@ use pyo3::types::PyBytes;
 use tokencache_core as core;
 
 use convert::{array, token_array};
-use errors::IntoPyResult;
+use errors::{BindingError, IntoPyResult};
+use parking_lot::{Mutex, MutexGuard};
 
 /// A generational handle to a tree node. It never keeps the node alive.
 #[pyclass(module = "tokencache", name = "Node", frozen, eq, hash)]
@@ -166,89 +167,101 @@ impl PyKvEvent {
 }
 
 /// Where one request's sequence ends in the tree. Pins its path while alive.
-#[pyclass(module = "tokencache", name = "Cursor")]
+///
+/// The cursor sits behind a mutex that is only ever tried, never waited on: a call that finds
+/// it taken (an `extend_many` holding it on another thread, without the GIL) raises
+/// `CursorBusyError` instead of blocking or PyO3's "Already borrowed".
+#[pyclass(module = "tokencache", name = "Cursor", frozen)]
 struct PyCursor {
-    inner: core::Cursor,
+    inner: Mutex<core::Cursor>,
+}
+
+impl PyCursor {
+    fn get(&self) -> PyResult<MutexGuard<'_, core::Cursor>> {
+        self.inner
+            .try_lock()
+            .ok_or_else(|| errors::binding_error(BindingError::CursorBusy))
+    }
 }
 
 #[pymethods]
 impl PyCursor {
     #[getter]
-    fn length(&self) -> usize {
-        self.inner.length()
+    fn length(&self) -> PyResult<usize> {
+        Ok(self.get()?.length())
     }
     #[getter]
-    fn cached_length(&self) -> usize {
-        self.inner.cached_length()
+    fn cached_length(&self) -> PyResult<usize> {
+        Ok(self.get()?.cached_length())
     }
     #[getter]
-    fn node(&self) -> PyNode {
-        PyNode {
-            inner: self.inner.node(),
-        }
+    fn node(&self) -> PyResult<PyNode> {
+        Ok(PyNode {
+            inner: self.get()?.node(),
+        })
     }
     #[getter]
-    fn namespace(&self) -> Option<String> {
-        self.inner.namespace().map(str::to_owned)
+    fn namespace(&self) -> PyResult<Option<String>> {
+        Ok(self.get()?.namespace().map(str::to_owned))
     }
     #[getter]
-    fn released(&self) -> bool {
-        self.inner.is_released()
+    fn released(&self) -> PyResult<bool> {
+        Ok(self.get()?.is_released())
     }
 
     fn extend(
-        &mut self,
+        &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<Option<PyDedup>> {
         let (t, s) = (convert::tokens(tokens)?, convert::slots(slots)?);
-        let d = self.inner.extend(&t, &s).py_err()?;
+        let d = self.get()?.extend(&t, &s).py_err()?;
         Ok((!d.is_empty()).then(|| dedup(py, d)))
     }
 
     /// Count an LFU hit on each path node that ends past `since` (SGLang's inserted_len).
     fn record_hits(&self, since: i64) -> PyResult<()> {
-        self.inner.record_hits(count(since, "since")?).py_err()
+        let since = count(since, "since")?;
+        self.get()?.record_hits(since).py_err()
     }
 
     /// Mark the whole sequence used now (LRU), in O(1).
     fn touch(&self) -> PyResult<()> {
-        self.inner.touch().py_err()
+        self.get()?.touch().py_err()
     }
 
     fn truncate<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         num_tokens: i64,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let n = usize::try_from(num_tokens).map_err(|_| {
-            errors::to_py(core::Error::InvalidArgument(format!(
-                "num_tokens must be non-negative, got {num_tokens}"
-            )))
-        })?;
-        Ok(array(py, self.inner.truncate(n).py_err()?))
+        let n = count(num_tokens, "num_tokens")?;
+        Ok(array(py, self.get()?.truncate(n).py_err()?))
     }
 
-    fn release<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        Ok(array(py, self.inner.release().py_err()?))
+    fn release<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        Ok(array(py, self.get()?.release().py_err()?))
     }
 
     fn slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        Ok(array(py, self.inner.slots().py_err()?))
+        Ok(array(py, self.get()?.slots().py_err()?))
     }
 
     fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        Ok(token_array(py, self.inner.tokens().py_err()?))
+        Ok(token_array(py, self.get()?.tokens().py_err()?))
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Cursor(length={}, cached_length={}, released={})",
-            self.inner.length(),
-            self.inner.cached_length(),
-            self.inner.is_released()
-        )
+        match self.inner.try_lock() {
+            Some(c) => format!(
+                "Cursor(length={}, cached_length={}, released={})",
+                c.length(),
+                c.cached_length(),
+                c.is_released()
+            ),
+            None => "Cursor(busy)".into(),
+        }
     }
 }
 
@@ -261,6 +274,12 @@ fn count(n: i64, what: &str) -> PyResult<usize> {
 }
 
 /// A radix KV-prefix tree (SGLang RadixCache semantics) with resumable cursors.
+///
+/// Every refused call raises a TokenCacheError subclass and changes nothing. Two checks are
+/// opt-in: strict_pages=False (default) accepts any slots for a page, and True raises
+/// PageAlignmentError unless each page's slots are one run starting at a multiple of
+/// page_size; strict_slots=False (default) refuses only a slot repeated within one call, and
+/// True also raises DuplicateSlotError for a slot the tree holds for another token.
 #[pyclass(module = "tokencache", name = "RadixTree", frozen)]
 struct PyRadixTree {
     inner: core::RadixTree,
@@ -269,12 +288,19 @@ struct PyRadixTree {
 #[pymethods]
 impl PyRadixTree {
     #[new]
-    #[pyo3(signature = (page_size=1, eviction_policy="lru", enable_events=false, strict_pages=false))]
+    #[pyo3(signature = (
+        page_size=1,
+        eviction_policy="lru",
+        enable_events=false,
+        strict_pages=false,
+        strict_slots=false,
+    ))]
     fn new(
         page_size: i64,
         eviction_policy: &str,
         enable_events: bool,
         strict_pages: bool,
+        strict_slots: bool,
     ) -> PyResult<Self> {
         let policy = eviction_policy.parse::<core::EvictionPolicy>().py_err()?;
         if page_size < 1 {
@@ -287,6 +313,7 @@ impl PyRadixTree {
             policy,
             enable_events,
             strict_pages,
+            strict_slots,
         };
         Ok(Self {
             inner: core::RadixTree::new(config).py_err()?,
@@ -462,13 +489,13 @@ impl PyRadixTree {
     #[pyo3(signature = (namespace=None))]
     fn cursor(&self, namespace: Option<String>) -> PyCursor {
         PyCursor {
-            inner: self.inner.cursor(namespace.as_deref()),
+            inner: Mutex::new(self.inner.cursor(namespace.as_deref())),
         }
     }
 
     fn cursor_at(&self, node: &PyNode) -> PyResult<PyCursor> {
         Ok(PyCursor {
-            inner: self.inner.cursor_at(&node.inner).py_err()?,
+            inner: Mutex::new(self.inner.cursor_at(&node.inner).py_err()?),
         })
     }
 
@@ -485,11 +512,22 @@ impl PyRadixTree {
             convert::tokens(tokens)?,
             convert::slots(slots)?,
         );
-        let mut refs = cursors
-            .iter()
-            .map(|c| c.try_borrow_mut())
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut inner: Vec<&mut core::Cursor> = refs.iter_mut().map(|r| &mut r.inner).collect();
+        let mut guards = Vec::with_capacity(cursors.len());
+        for (i, c) in cursors.iter().enumerate() {
+            let Some(guard) = c.get().inner.try_lock() else {
+                // Taken: by this very batch (a duplicate) or by a call on another thread.
+                let err = match cursors[..i].iter().position(|d| d.is(c)) {
+                    Some(j) => BindingError::DuplicateCursor(format!(
+                        "cursors[{j}] and cursors[{i}] are the same cursor: a batch extends \
+                         each request once"
+                    )),
+                    None => BindingError::CursorBusy,
+                };
+                return Err(errors::binding_error(err));
+            };
+            guards.push(guard);
+        }
+        let mut inner: Vec<&mut core::Cursor> = guards.iter_mut().map(|g| &mut **g).collect();
         let tree = &self.inner;
         let d = py
             .allow_threads(|| tree.extend_many(&mut inner, &o, &t, &s))

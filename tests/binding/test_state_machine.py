@@ -1,9 +1,12 @@
 """Hypothesis state machine through the binding against a naive Python reference that keeps
-every cached prefix in a dict. Invariants are checked after every step."""
+every cached prefix in a dict. Invariants are checked after every step. Some steps misuse the
+tree (a slot twice, a cursor twice, inserted_len past the tokens): they must raise their error
+and change nothing, which the reference (unchanged too) then confirms."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
@@ -11,6 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 import tokencache as tc
 
 TOKENS = st.lists(st.integers(0, 2), max_size=8)
+TWO_OR_MORE = st.lists(st.integers(0, 2), min_size=2, max_size=8)
 NAMESPACES = st.sampled_from([None, "salt"])
 Prefix = tuple[str | None, tuple[int, ...]]
 
@@ -46,6 +50,17 @@ class TreeMachine(RuleBasedStateMachine):
             assert s in self.live, f"slot {s} returned twice"
             self.live.remove(s)
 
+    def repeated_slot(self, data: st.DataObject, n: int) -> np.ndarray:
+        """n fresh slots, one of them given twice."""
+        slots = self.slots(n)
+        i = data.draw(st.integers(0, n - 1))
+        j = data.draw(st.integers(0, n - 1).filter(lambda j: j != i))
+        slots[j] = slots[i]
+        return slots
+
+    def open_cursors(self) -> list[tuple[tc.Cursor, str | None, list[int]]]:
+        return [c for c in self.cursors if not c[0].released]
+
     def pins(self) -> list[Prefix]:
         pins = [p for p, n in self.locks.items() if n > 0]
         pins += [(ns, tuple(t)) for c, ns, t in self.cursors if not c.released]
@@ -61,6 +76,21 @@ class TreeMachine(RuleBasedStateMachine):
             self.cached[(ns, tuple(tokens[: i + 1]))] = int(slots[i])
             self.live.add(int(slots[i]))
         return r.node, (ns, tuple(tokens))
+
+    @rule(ns=NAMESPACES, tokens=TWO_OR_MORE, data=st.data())
+    def insert_a_slot_twice(self, ns: str | None, tokens: list[int], data: st.DataObject) -> None:
+        slots = self.repeated_slot(data, len(tokens))
+        before = self.tree.pretty_print()
+        with pytest.raises(tc.DuplicateSlotError):
+            self.tree.insert(np.array(tokens, dtype=np.int64), slots, ns)
+        assert self.tree.pretty_print() == before
+
+    @rule(ns=NAMESPACES, tokens=TOKENS, past=st.integers(1, 3))
+    def insert_past_inserted_len(self, ns: str | None, tokens: list[int], past: int) -> None:
+        before = self.tree.pretty_print()
+        with pytest.raises(tc.InvalidArgumentError):
+            self.tree.insert(tokens, self.slots(len(tokens)), ns, inserted_len=len(tokens) + past)
+        assert self.tree.pretty_print() == before
 
     @rule(target=handles, ns=NAMESPACES, tokens=TOKENS)
     def match(self, ns: str | None, tokens: list[int]) -> tuple[tc.Node, Prefix]:
@@ -105,8 +135,7 @@ class TreeMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(not c.released for c, _, _ in self.cursors))
     @rule(data=st.data(), tokens=TOKENS)
     def extend(self, data: st.DataObject, tokens: list[int]) -> None:
-        open_ = [c for c in self.cursors if not c[0].released]
-        cur, ns, seq = data.draw(st.sampled_from(open_))
+        cur, ns, seq = data.draw(st.sampled_from(self.open_cursors()))
         slots = self.slots(len(tokens))
         self.live.update(slots.tolist())
         d = cur.extend(np.array(tokens, dtype=np.int64), slots)
@@ -126,10 +155,40 @@ class TreeMachine(RuleBasedStateMachine):
         seq.extend(tokens)
 
     @precondition(lambda self: any(not c.released for c, _, _ in self.cursors))
+    @rule(data=st.data(), tokens=TWO_OR_MORE)
+    def extend_a_slot_twice(self, data: st.DataObject, tokens: list[int]) -> None:
+        cur, _, seq = data.draw(st.sampled_from(self.open_cursors()))
+        before = self.tree.pretty_print()
+        with pytest.raises(tc.DuplicateSlotError):
+            cur.extend(tokens, self.repeated_slot(data, len(tokens)))
+        assert self.tree.pretty_print() == before and cur.length == len(seq)
+
+    @precondition(lambda self: any(not c.released for c, _, _ in self.cursors))
+    @rule(data=st.data(), a=TOKENS, b=TOKENS)
+    def extend_many_misused(self, data: st.DataObject, a: list[int], b: list[int]) -> None:
+        """The same cursor twice, or one slot for two requests: refused, nothing moves."""
+        first = data.draw(st.sampled_from(self.open_cursors()))
+        second = data.draw(st.sampled_from(self.open_cursors()))
+        tokens = a + b
+        if first[0] is second[0]:
+            error: type[Exception] = tc.DuplicateCursorError
+            slots = self.slots(len(tokens))
+        elif a and b:
+            error = tc.DuplicateSlotError
+            slots = self.slots(len(tokens))
+            slots[len(a) + data.draw(st.integers(0, len(b) - 1))] = slots[0]
+        else:
+            return
+        before = self.tree.pretty_print()
+        with pytest.raises(error):
+            self.tree.extend_many([first[0], second[0]], [0, len(a), len(tokens)], tokens, slots)
+        assert self.tree.pretty_print() == before
+        assert (first[0].length, second[0].length) == (len(first[2]), len(second[2]))
+
+    @precondition(lambda self: any(not c.released for c, _, _ in self.cursors))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        open_ = [c for c in self.cursors if not c[0].released]
-        cur, _, _ = data.draw(st.sampled_from(open_))
+        cur, _, _ = data.draw(st.sampled_from(self.open_cursors()))
         assert cur.release().size == 0
 
     @invariant()
