@@ -226,22 +226,21 @@ class Server:
             )
         return [int(t) for t in ids]
 
-    def _max_tokens(self, params: GenerationParams, prompt_len: int, default: int) -> int:
+    def _max_tokens(
+        self, params: GenerationParams, prompt_len: int, default: int, prompt_param: str
+    ) -> int:
         limit = self.max_context
-        if prompt_len >= limit or (
-            params.max_tokens is not None and prompt_len + params.max_tokens > limit
-        ):
-            asked = "" if params.max_tokens is None else f" and {params.max_tokens} to generate"
+        asked = params.max_tokens
+        if prompt_len >= limit or (asked is not None and prompt_len + asked > limit):
+            what = "" if asked is None else f" and {asked} tokens to generate"
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens (KV pool and positions). "
-                f"However, you requested {prompt_len} prompt tokens{asked}. Shorten the prompt "
+                f"However, you requested {prompt_len} prompt tokens{what}. Shorten the prompt "
                 "or max_tokens.",
-                "max_tokens" if params.max_tokens is not None else "prompt",
+                prompt_param if prompt_len >= limit or asked is None else "max_tokens",
                 "context_length_exceeded",
             )
-        if params.max_tokens is not None:
-            return params.max_tokens
-        return min(default, limit - prompt_len)
+        return asked if asked is not None else min(default, limit - prompt_len)
 
     def _submit(
         self,
@@ -255,7 +254,8 @@ class Server:
         default = (
             self.config.chat_max_tokens if kind == "chat" else self.config.completion_max_tokens
         )
-        max_tokens = self._max_tokens(p, len(ids), default)
+        prompt_param = "prompt" if kind == "completion" else "messages"
+        max_tokens = self._max_tokens(p, len(ids), default, prompt_param)
         sampling = None
         if p.temperature > 0:
             sampling = SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
@@ -271,8 +271,8 @@ class Server:
                 arrival,
             )
         except (ValueError, TypeError) as e:
-            param = "prompt" if kind == "completion" else "messages"
-            raise bad_request(f"The engine refused the request: {e}", param, "invalid_value") from e
+            msg = f"The engine refused the request: {e}"
+            raise bad_request(msg, prompt_param, "invalid_value") from e
         except RuntimeError as e:
             raise APIError(503, f"The engine is not accepting requests: {e}") from e
         return GenerationResponse(self, request.url.path, kind, p, gen)

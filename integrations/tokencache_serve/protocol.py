@@ -127,7 +127,9 @@ def parse_chat(body: Mapping[str, Any], default_temperature: float = 1.0) -> Cha
     )
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise bad_request(
-            "Give max_tokens or max_completion_tokens, not both.", "max_completion_tokens"
+            "Give max_tokens or max_completion_tokens, not both.",
+            "max_completion_tokens",
+            "invalid_value",
         )
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params = _common(body, key, default_temperature)
