@@ -1,145 +1,184 @@
-"""Paged attention over KV-pool slots: a portable torch path and a Triton GPU decode path."""
+"""Paged attention over KV-pool slots: a portable torch path and Triton GPU kernels.
+
+A backend is built once per model. Per forward it gets two calls before the layers run:
+plan(host_batch) (host-side tables from numpy, only for what cannot be built on the device
+without reading it back) and prepare(ctx) (device-side tables, launched without any host sync).
+Every layer then calls forward(q, k_cache, v_cache, ctx, scale).
+"""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .batch import ForwardBatch
+from .context import ForwardContext, HostBatch
+
+# A torch multi-token group is padded to [n, Qmax, Lmax]; a request joins the current group
+# while the padded work stays within this factor of the real work (plus a small constant).
+GROUP_WASTE = 2.0
+GROUP_SLACK = 64 * 64
 
 
-@dataclass
-class AttentionMetadata:
-    """Per-forward indexing, built once and reused by every layer."""
+def plan_groups(q_lens: np.ndarray, kv_lens: np.ndarray) -> list[np.ndarray]:
+    """Splits requests into groups whose padded [n, Qmax, Lmax] attention wastes little work.
 
-    q_offsets: list[int]
-    kv_offsets: list[int]
-    decode_only: bool  # every request has exactly one new token
-    kv_slots: torch.Tensor  # [S] on the model device
-    # Decode-only padded layout for the batched torch path: [B, Lmax] slot ids and validity.
-    padded_slots: torch.Tensor | None = None
-    padded_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool
-    # Triton decode path: kv offsets on the device.
-    kv_offsets_dev: torch.Tensor | None = None
-    max_kv_len: int = 0
-    use_triton: bool = False
+    Requests are taken by decreasing (q_len, kv_len); usually one group (catch-ups of similar
+    requests), several only for skewed batches (one long prefill among decodes)."""
+    order = np.lexsort((-kv_lens, -q_lens))
+    groups: list[list[int]] = []
+    qm = lm = real = 0
+    for i in order.tolist():
+        q, kv = int(q_lens[i]), int(kv_lens[i])
+        if groups:
+            n = len(groups[-1]) + 1
+            nq, nl = max(qm, q), max(lm, kv)
+            if n * nq * nl <= GROUP_WASTE * (real + q * kv) + GROUP_SLACK:
+                groups[-1].append(i)
+                qm, lm, real = nq, nl, real + q * kv
+                continue
+        groups.append([i])
+        qm, lm, real = q, kv, q * kv
+    return [np.asarray(g, dtype=np.int64) for g in groups]
+
+
+def _padded_slots(
+    ctx: ForwardContext, starts: torch.Tensor, lens: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, width] slot ids (kv_slots[start + col], the scratch slot past each length) and the
+    validity mask; device ops only, fixed shapes."""
+    cols = torch.arange(width, device=ctx.device)
+    valid = cols[None, :] < lens[:, None]
+    idx = (starts[:, None] + cols[None, :]).clamp_max(ctx.kv_slots.numel() - 1)
+    return torch.where(valid, ctx.kv_slots[idx], ctx.scratch_slot), valid
 
 
 class TorchPagedAttention:
-    """Portable path: gather K/V by slot and call scaled_dot_product_attention (CPU and GPU)."""
+    """Portable path: gather K/V by slot into padded blocks and call SDPA (CPU and GPU).
+
+    Decode rows: one [B, W] gather (W = ctx.kv_width) and one SDPA. Multi-token batches: one
+    padded gather + bottom-right causal mask per group of similar requests (usually one group);
+    no Python loop over requests.
+    """
 
     name = "torch"
 
-    def prepare(self, batch: ForwardBatch, device: torch.device) -> AttentionMetadata:
-        q_off = batch.q_offsets.tolist()
-        kv_off = batch.kv_offsets.tolist()
-        q_lens = [b - a for a, b in itertools.pairwise(q_off)]
-        meta = AttentionMetadata(
-            q_offsets=q_off,
-            kv_offsets=kv_off,
-            decode_only=all(n == 1 for n in q_lens),
-            kv_slots=batch.kv_slots.to(device),
-        )
-        if meta.decode_only:
-            kv_lens = torch.tensor([b - a for a, b in itertools.pairwise(kv_off)], device=device)
-            lmax = int(max(b - a for a, b in itertools.pairwise(kv_off)))
-            cols = torch.arange(lmax, device=device)
-            valid = cols[None, :] < kv_lens[:, None]
-            starts = torch.tensor(kv_off[:-1], device=device)
-            idx = (starts[:, None] + cols[None, :]).clamp_max(meta.kv_slots.numel() - 1)
-            # Padding columns read slot 0 and are masked out.
-            meta.padded_slots = torch.where(valid, meta.kv_slots[idx], 0)
-            meta.padded_mask = valid[:, None, None, :]
-        return meta
+    def plan(self, hb: HostBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
+        q_lens, kv_lens = hb.q_lens, hb.kv_lens
+        if bool((q_lens == 1).all()):
+            return {}, []
+        groups = plan_groups(q_lens, kv_lens)
+        dims: list[tuple[int, int, int]] = []
+        arrays: list[np.ndarray] = []
+        q_off = hb.q_offsets
+        first_row = np.empty(len(q_lens), dtype=np.int64)  # padded output row of token 0
+        base = 0
+        for g in groups:
+            qm, lm = int(q_lens[g].max()), int(kv_lens[g].max())
+            j = np.arange(qm, dtype=np.int64)
+            # Padded query rows re-read the request's last token (computed, then dropped).
+            q_idx = q_off[g][:, None] + np.minimum(j[None, :], q_lens[g][:, None] - 1)
+            first_row[g] = base + np.arange(len(g), dtype=np.int64) * qm
+            base += len(g) * qm
+            dims.append((len(g), qm, lm))
+            arrays += [g, q_idx.reshape(-1)]
+        req_of_token = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
+        within = np.arange(int(q_off[-1]), dtype=np.int64) - q_off[req_of_token]
+        arrays.append(first_row[req_of_token] + within)
+        return {"groups": dims}, arrays
+
+    def prepare(self, ctx: ForwardContext) -> dict[str, Any]:
+        kv_off = ctx.kv_offsets
+        kv_lens = kv_off.diff()
+        if ctx.is_decode:
+            slots, valid = _padded_slots(ctx, kv_off[:-1], kv_lens, ctx.kv_width)
+            return {"slots": slots, "mask": valid[:, None, None, :]}
+        q_lens = ctx.q_offsets.diff()
+        arrays = ctx.host["arrays"]
+        groups = []
+        for gi, (_, qm, lm) in enumerate(ctx.host["groups"]):
+            req, q_idx = arrays[2 * gi], arrays[2 * gi + 1]
+            lens, qn = kv_lens[req], q_lens[req]
+            slots, valid = _padded_slots(ctx, kv_off[req], lens, lm)
+            # Bottom-right causal: new token j sits at slot-list index kv_len - q_len + j.
+            rows = torch.arange(qm, device=ctx.device)
+            cols = torch.arange(lm, device=ctx.device)
+            limit = (lens - qn)[:, None, None] + rows[None, :, None]
+            mask = valid[:, None, :] & (cols[None, None, :] <= limit)
+            groups.append((q_idx, slots, mask[:, None], qm))
+        return {"groups": groups, "rows": arrays[-1]}
 
     def forward(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        ctx: ForwardContext,
         scale: float,
     ) -> torch.Tensor:
         """q: [T, H, D]; k_cache/v_cache: one pool layer, [slots, KVH, D]. Returns [T, H, D]."""
-        if meta.decode_only:
-            return self._decode(q, k_cache, v_cache, meta, scale)
-        out = torch.empty_like(q)
-        q_off, kv_off = meta.q_offsets, meta.kv_offsets
-        for i in range(len(q_off) - 1):
-            q0, q1, kv0, kv1 = q_off[i], q_off[i + 1], kv_off[i], kv_off[i + 1]
-            n, length = q1 - q0, kv1 - kv0
-            slots = meta.kv_slots[kv0:kv1]
-            qi = q[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ki = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-            vi = v_cache[slots].transpose(0, 1).unsqueeze(0)
-            mask = None
-            if n > 1:
-                # Bottom-right causal: new token j sits at slot-list index length - n + j.
-                rows = torch.arange(length - n, length, device=q.device)
-                mask = torch.arange(length, device=q.device)[None, :] <= rows[:, None]
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
-            )
-            out[q0:q1] = oi[0].transpose(0, 1)
-        return out
+        meta = ctx.attn
+        if ctx.is_decode:
+            return self._sdpa(q[:, None], k_cache, v_cache, meta["slots"], meta["mask"], scale)[
+                :, 0
+            ]
+        outs = []
+        for q_idx, slots, mask, qm in meta["groups"]:
+            qg = q.index_select(0, q_idx).view(-1, qm, q.shape[1], q.shape[2])  # [n, Qmax, H, D]
+            outs.append(self._sdpa(qg, k_cache, v_cache, slots, mask, scale).flatten(0, 1))
+        flat = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return flat.index_select(0, meta["rows"])
 
-    def _decode(
-        self,
+    @staticmethod
+    def _sdpa(
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        # One batched SDPA over a padded [B, Lmax] gather: no Python loop for decode steps.
-        assert meta.padded_slots is not None and meta.padded_mask is not None
-        k = k_cache[meta.padded_slots].transpose(1, 2)  # [B, KVH, Lmax, D]
-        v = v_cache[meta.padded_slots].transpose(1, 2)
+        """q: [n, Q, H, D]; slots/mask: [n, L] / [n, 1, Q, L]. Returns [n, Q, H, D]."""
+        k = k_cache[slots].transpose(1, 2)  # [n, KVH, L, D]
+        v = v_cache[slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=meta.padded_mask, scale=scale, enable_gqa=True
+            q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )
-        return o.squeeze(2)
+        return o.transpose(1, 2)
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """GPU path: Triton split-KV paged decode kernel; mixed/prefill batches use the torch path."""
+    """GPU path: a split-KV paged decode kernel for decode rows and a paged varlen
+    (flash-attention style) kernel for prefill / extend / mixed batches; one launch per layer
+    either way, shapes from host-known maxima only."""
 
     name = "triton"
 
-    def prepare(self, batch: ForwardBatch, device: torch.device) -> AttentionMetadata:
-        q_lens = batch.q_offsets.diff()
-        if not bool((q_lens == 1).all()):
-            return super().prepare(batch, device)
-        meta = AttentionMetadata(
-            q_offsets=[],
-            kv_offsets=[],
-            decode_only=True,
-            kv_slots=batch.kv_slots.to(device),
-            kv_offsets_dev=batch.kv_offsets.to(device=device, dtype=torch.int32),
-            max_kv_len=int(batch.kv_offsets.diff().max()),
-            use_triton=True,
-        )
-        return meta
+    def plan(self, hb: HostBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
+        return {}, []
+
+    def prepare(self, ctx: ForwardContext) -> dict[str, Any]:
+        return {}
 
     def forward(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        ctx: ForwardContext,
         scale: float,
     ) -> torch.Tensor:
-        if not meta.use_triton:
-            return super().forward(q, k_cache, v_cache, meta, scale)
-        # Deferred import: CPU-only users never load triton.
-        from .triton_decode import paged_decode
+        # Deferred imports: CPU-only users never load triton.
+        if ctx.is_decode:
+            from .triton_decode import paged_decode
 
-        assert meta.kv_offsets_dev is not None
-        return paged_decode(
-            q, k_cache, v_cache, meta.kv_slots, meta.kv_offsets_dev, scale, meta.max_kv_len
+            return paged_decode(q, k_cache, v_cache, ctx.kv_slots, ctx.kv_offsets, scale)
+        from .triton_varlen import paged_varlen
+
+        return paged_varlen(
+            q, k_cache, v_cache, ctx.kv_slots, ctx.q_offsets, ctx.kv_offsets, scale, ctx.max_q_len
         )
 
 

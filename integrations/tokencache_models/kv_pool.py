@@ -61,7 +61,10 @@ class SlotAllocator:
 
 
 class KVPool:
-    """K and V tensors of shape [layers, slots, kv_heads, head_dim] plus their slot allocator."""
+    """K and V tensors of shape [layers, slots, kv_heads, head_dim] plus their slot allocator.
+
+    `k` / `v` are views of `k_store` / `v_store`, which hold one more row (the scratch slot).
+    """
 
     def __init__(
         self,
@@ -72,10 +75,14 @@ class KVPool:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        # One hidden row past the last slot: the scratch slot that padding rows of a padded
+        # (CUDA-graph) decode batch write to. It is never allocated and never counted.
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
         # Zeros, not empty: a slot read before being written must not inject NaNs.
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k_store = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_store = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = self.k_store[:, :num_slots]  # the public [layers, slots, kv_heads, head_dim]
+        self.v = self.v_store[:, :num_slots]
         self.allocator = SlotAllocator(num_slots)
 
     @classmethod
@@ -118,6 +125,11 @@ class KVPool:
         return self.k.shape[1]
 
     @property
+    def scratch_slot(self) -> int:
+        """Row of k_store / v_store that padding tokens write to; outside [0, num_slots)."""
+        return self.k.shape[1]
+
+    @property
     def device(self) -> torch.device:
         return self.k.device
 
@@ -127,6 +139,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the allocatable slots (the scratch row adds one token's worth)."""
         return self.k.numel() * self.k.element_size() * 2
 
     def alloc(self, n: int) -> torch.Tensor:

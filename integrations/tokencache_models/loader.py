@@ -97,7 +97,8 @@ def from_transformers(
     attention_backend: str = "auto",
 ) -> CausalLM:
     """Copies the weights of a loaded transformers Qwen3/Llama *ForCausalLM into our runner."""
-    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    hf_config: Any = hf_model.config
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
     sd = hf_model.state_dict()
     ref = sd["model.embed_tokens.weight"]
     return model_from_state_dict(
@@ -140,7 +141,7 @@ def load_gguf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf_file, dtype=dtype)
-    hf.eval()
+    hf.eval()  # type: ignore[no-untyped-call]
     tok = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
     model = from_transformers(hf, device, dtype, attention_backend)
     return GGUFModel(model=model, tokenizer=tok, hf_model=hf if keep_hf_model else None)

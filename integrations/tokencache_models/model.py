@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, TorchPagedAttention, make_attention_backend
+from .attention import TorchPagedAttention, make_attention_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
+from .context import DEFAULT_DECODE_BUCKETS, ForwardContext, HostBatch, decode_bucket
+from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
 
@@ -42,29 +44,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        out_slots: torch.Tensor,
-        pool: KVPool,
-        backend: TorchPagedAttention,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        assert ctx.pool is not None and ctx.cos is not None and ctx.sin is not None
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = pool.k[self.layer_idx], pool.v[self.layer_idx]
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        # The store views include the scratch row that padding tokens write.
+        k_cache, v_cache = ctx.pool.k_store[self.layer_idx], ctx.pool.v_store[self.layer_idx]
         # Write every new token's K/V first, so attention reads prefix and new tokens uniformly.
-        k_cache.index_copy_(0, out_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
-        o = backend.forward(q.to(k_cache.dtype), k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.to(x.dtype).reshape(t, self.num_heads * self.head_dim))
+        k_cache.index_copy_(0, ctx.out_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, ctx.out_slots, v.to(v_cache.dtype))
+        o = ctx.backend.forward(q.to(k_cache.dtype), k_cache, v_cache, ctx, self.scale)
+        out: torch.Tensor = self.o_proj(o.to(x.dtype).reshape(t, self.num_heads * self.head_dim))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -75,19 +71,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        out_slots: torch.Tensor,
-        pool: KVPool,
-        backend: TorchPagedAttention,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, out_slots, pool, backend, meta)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class DecoderBody(nn.Module):
@@ -116,6 +103,12 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.attention_backend_name = attention_backend
+        self._backends: dict[str, TorchPagedAttention] = {}
+        # Decode speed switches (CUDA only): pad decode batches to a bucket; replay CUDA graphs.
+        self.decode_padding: bool | None = None  # None: on when the model is on CUDA
+        self.decode_graphs = True
+        self.decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
+        self._graph_runners: dict[tuple[int, str], DecodeGraphRunner] = {}
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -136,23 +129,86 @@ class CausalLM(nn.Module):
     def kv_pool_from_budget(self, budget_bytes: int, dtype: torch.dtype | None = None) -> KVPool:
         return KVPool.from_budget(self.config, budget_bytes, self.device, dtype or self.dtype)
 
+    def attention(self, name: str | None = None) -> TorchPagedAttention:
+        """The attention backend for `name` (default: the model's), built once per model."""
+        name = name or self.attention_backend_name
+        backend = self._backends.get(name)
+        if backend is None:
+            backend = self._backends[name] = make_attention_backend(name, self.device)
+        return backend
+
+    def pads_decode(self) -> bool:
+        return (
+            self.decode_padding if self.decode_padding is not None else self.device.type == "cuda"
+        )
+
+    def build_context(
+        self,
+        batch: ForwardBatch | HostBatch,
+        pool: KVPool,
+        backend: TorchPagedAttention,
+        pad_rows_to: int | None = None,
+    ) -> ForwardContext:
+        """Host work of one forward (lengths, padding, the backend's host plan), one copy to the
+        device. Nothing after this reads device memory back on the host."""
+        return ForwardContext.build(
+            batch, self.device, pool.scratch_slot, backend.plan, pad_rows_to
+        )
+
     @torch.inference_mode()
     def forward(
         self,
         batch: ForwardBatch,
         pool: KVPool,
         attention_backend: str | None = None,
+        context: ForwardContext | None = None,
     ) -> ForwardOutput:
-        device = self.device
-        backend = make_attention_backend(attention_backend or self.attention_backend_name, device)
-        batch = batch.to(device)
-        meta = backend.prepare(batch, device)
-        x = self.model.embed_tokens(batch.token_ids)
-        cos, sin = self.rotary(batch.positions, x.dtype)
+        """One ragged batch (prefill, extend and decode requests mixed) over the pool.
+
+        Decode-only batches are padded to a bucket on CUDA (decode_padding) and replayed from a
+        CUDA graph when decode_graphs is on; everything else runs eagerly. A prebuilt context
+        (build_context) may be passed instead of being built here.
+        """
+        backend = self.attention(attention_backend)
+        if context is not None:
+            return self.forward_context(context, pool, backend)
+        hb = HostBatch.from_batch(batch)
+        pad_to = None
+        if bool((hb.q_lens == 1).all()) and self.pads_decode():
+            pad_to = decode_bucket(hb.num_requests, self.decode_buckets)
+            runner = self.graph_runner(pool, backend)
+            if runner is not None and pad_to is not None and runner.fits(hb):
+                return runner.run(hb)
+        return self.forward_context(self.build_context(hb, pool, backend, pad_to), pool, backend)
+
+    @torch.inference_mode()
+    def forward_context(
+        self, ctx: ForwardContext, pool: KVPool, backend: TorchPagedAttention
+    ) -> ForwardOutput:
+        """The forward body: device work only (no .item/.tolist/.cpu, no data-dependent shape),
+        so it can be captured in a CUDA graph when the context's tensors are static buffers."""
+        ctx.pool, ctx.backend = pool, backend
+        ctx.attn = backend.prepare(ctx)
+        x = self.model.embed_tokens(ctx.token_ids)
+        ctx.cos, ctx.sin = self.rotary(ctx.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, batch.out_slots, pool, backend, meta)
-        # Only each request's last token needs the final norm and the head.
-        last = (batch.q_offsets[1:] - 1).to(device)
-        hidden = self.model.norm(x.index_select(0, last))
+            x = layer(x, ctx)
+        # Only each request's last token needs the final norm and the head. Padding rows go
+        # through the head too (same GEMM shapes as the graph, hence the same rounding), then drop.
+        hidden = self.model.norm(x.index_select(0, ctx.last_token))
         logits = self.lm_head(hidden).float()
+        if ctx.num_real < ctx.num_requests:
+            hidden, logits = hidden[: ctx.num_real], logits[: ctx.num_real]
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def graph_runner(self, pool: KVPool, backend: TorchPagedAttention) -> DecodeGraphRunner | None:
+        """The CUDA-graph decode runner of (pool, backend), made on first use; None when graphs
+        are off or the model is not on CUDA."""
+        if not self.decode_graphs or self.device.type != "cuda":
+            return None
+        key = (id(pool), backend.name)
+        runner = self._graph_runners.get(key)
+        if runner is None or runner.pool is not pool:
+            runner = DecodeGraphRunner(self, pool, backend, self.decode_buckets)
+            self._graph_runners[key] = runner
+        return runner

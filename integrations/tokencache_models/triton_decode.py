@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _paged_decode_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     Q,
     K,
     V,
@@ -113,11 +113,13 @@ def _paged_decode_kernel(
     tl.store(L + b * stride_mb + heads * stride_mh + split, l_i, mask=g_mask)
 
 
-def _num_splits(batch: int, kv_heads: int, max_kv_len: int, block_n: int) -> int:
-    # Enough programs to fill ~2 waves of a large GPU, never a split shorter than one block.
+def num_splits(batch: int, kv_heads: int) -> int:
+    """Enough programs to fill ~2 waves of a large GPU. A function of the grid only, never of the
+    context length: a CUDA graph fixes it at capture, and eager and graph decode of the same
+    bucket then merge the same splits in the same order (bit-identical results). Splits past a
+    short context are empty and exit after one length check."""
     target = 264
-    want = max(1, -(-target // (batch * kv_heads)))
-    return int(max(1, min(want, 32, -(-max_kv_len // block_n))))
+    return int(max(1, min(-(-target // (batch * kv_heads)), 32)))
 
 
 def paged_decode(
@@ -127,17 +129,17 @@ def paged_decode(
     kv_slots: torch.Tensor,
     kv_offsets: torch.Tensor,
     scale: float,
-    max_kv_len: int,
     block_n: int = 64,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (last dim contiguous); kv_slots: flat slot
-    lists; kv_offsets: [B + 1] int32 on q's device. Returns [B, H, D] in q's dtype."""
+    lists; kv_offsets: [B + 1] (int32 or int64) on q's device. Returns [B, H, D] in q's dtype.
+    Launch parameters come from shapes only: no host sync, graph-capturable."""
     bsz, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    splits = _num_splits(bsz, kv_heads, max_kv_len, block_n)
+    splits = num_splits(bsz, kv_heads)
     acc = torch.empty((bsz, heads, splits, head_dim), device=q.device, dtype=torch.float32)
     m = torch.empty((bsz, heads, splits), device=q.device, dtype=torch.float32)
     lse = torch.empty_like(m)

@@ -1,6 +1,7 @@
-"""The Triton paged decode kernel, run by Triton's CPU interpreter, against the torch path.
+"""The Triton kernels, run by Triton's CPU interpreter, against the torch path.
 
-TRITON_INTERPRET must be set before triton is imported, hence a subprocess.
+TRITON_INTERPRET must be set before triton is imported, hence a subprocess per script. Shapes are
+small (few heads, small head dims) so the interpreter stays fast; contexts go up to 8k.
 """
 
 from __future__ import annotations
@@ -10,50 +11,163 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = r"""
+import pytest
+
+COMMON = r"""
 import torch
 from tokencache_models.attention import TorchPagedAttention
 from tokencache_models.batch import ForwardBatch
-from tokencache_models.triton_decode import paged_decode
+from tokencache_models.context import ForwardContext
 
 torch.manual_seed(0)
+
+
+def torch_reference(batch, q, kc, vc, scale):
+    # kc / vc carry the scratch row last, as KVPool.k_store does.
+    backend = TorchPagedAttention()
+    ctx = ForwardContext.build(batch, torch.device("cpu"), kc.shape[0] - 1, backend.plan)
+    ctx.attn = backend.prepare(ctx)
+    return backend.forward(q, kc, vc, ctx, scale), ctx
+
+
+def scattered_requests(perm, prefix_lens, q_lens, shared=None):
+    # Request i: prefix of prefix_lens[i] slots (or `shared`'s first slots) + q_lens[i] new ones,
+    # all taken from a random permutation of the pool (page-scattered).
+    pre, new, o = [], [], 0
+    for p, n in zip(prefix_lens, q_lens):
+        if shared is not None:
+            s = shared[:p]
+        else:
+            s = perm[o : o + p]
+            o += p
+        pre.append(s)
+        new.append(perm[o : o + n])
+        o += n
+    return pre, new
+"""
+
+DECODE = r"""
+from tokencache_models.triton_decode import paged_decode
+
 for heads, kv_heads, head_dim in [(8, 2, 32), (6, 3, 24)]:
     slots_total = 700
-    kc = torch.randn(slots_total, kv_heads, head_dim)
-    vc = torch.randn(slots_total, kv_heads, head_dim)
+    kc = torch.randn(slots_total + 1, kv_heads, head_dim)
+    vc = torch.randn(slots_total + 1, kv_heads, head_dim)
     lens = [1, 7, 64, 65, 300]
-    perm = torch.randperm(slots_total)
-    pre, new, o = [], [], 0
-    for n in lens:
-        s = perm[o : o + n]
-        o += n
-        pre.append(s[:-1])
-        new.append(s[-1:])
+    pre, new = scattered_requests(torch.randperm(slots_total), [n - 1 for n in lens], [1] * 5)
     batch = ForwardBatch.from_requests([[0]] * len(lens), pre, new)
     q = torch.randn(len(lens), heads, head_dim)
-    backend = TorchPagedAttention()
-    meta = backend.prepare(batch, torch.device("cpu"))
-    ref = backend.forward(q, kc, vc, meta, head_dim**-0.5)
+    ref, ctx = torch_reference(batch, q, kc, vc, head_dim**-0.5)
+    assert ctx.is_decode
     for block_n in (16, 64):
         out = paged_decode(
-            q, kc, vc, batch.kv_slots, batch.kv_offsets.to(torch.int32), head_dim**-0.5,
-            max(lens), block_n=block_n,
+            q, kc, vc, batch.kv_slots, batch.kv_offsets, head_dim**-0.5, block_n=block_n
         )
         err = (out - ref).abs().max().item()
         assert err < 1e-4, (heads, kv_heads, head_dim, block_n, err)
 print("OK")
 """
 
+VARLEN = r"""
+from tokencache_models.triton_varlen import paged_varlen
 
-def test_triton_decode_kernel_in_interpreter() -> None:
+def check(heads, kv_heads, head_dim, prefix_lens, q_lens, shared_prefix=0, rows=16, block_n=16):
+    total = sum(prefix_lens) + sum(q_lens) + shared_prefix + 8
+    kc = torch.randn(total + 1, kv_heads, head_dim)
+    vc = torch.randn(total + 1, kv_heads, head_dim)
+    perm = torch.randperm(total)
+    shared = None
+    if shared_prefix:
+        shared = perm[-shared_prefix:]
+        perm = perm[:-shared_prefix]
+        prefix_lens = [shared_prefix] * len(q_lens)
+    pre, new = scattered_requests(perm, prefix_lens, q_lens, shared)
+    toks = [[0] * n for n in q_lens]
+    batch = ForwardBatch.from_requests(toks, pre, new)
+    q = torch.randn(batch.num_tokens, heads, head_dim)
+    ref, ctx = torch_reference(batch, q, kc, vc, head_dim**-0.5)
+    out = paged_varlen(
+        q, kc, vc, batch.kv_slots, batch.q_offsets, batch.kv_offsets, head_dim**-0.5,
+        ctx.max_q_len, rows=rows, block_n=block_n,
+    )
+    err = (out - ref).abs().max().item()
+    assert err < 1e-4, (heads, kv_heads, head_dim, prefix_lens[:4], q_lens[:4], err)
+    return len(ctx.host["groups"])
+
+# Ragged prefills (no prefix), GQA group 4, rows covering several tokens per block.
+check(8, 2, 32, [0, 0, 0, 0], [1, 6, 17, 40])
+# Group 3 (padded to 4), non power-of-two head_dim, catch-ups over prefixes of mixed length.
+check(6, 2, 24, [5, 0, 33, 100, 2], [3, 9, 1, 12, 1], rows=32)
+# Shared prefix: 5 requests read the same 70 slots, then their own tails.
+check(4, 2, 16, [], [4, 1, 7, 2, 10], shared_prefix=70)
+# A skewed batch (one long prefill among decode rows): several torch groups, one kernel launch.
+assert check(4, 1, 16, [0, 50, 60, 70, 80], [120, 1, 1, 1, 1]) >= 2
+# Long contexts: catch-ups of 10 and 3 tokens at 8k and 4k, one plain prefill.
+check(2, 1, 16, [8182, 4093, 0], [10, 3, 20], rows=16, block_n=64)
+print("OK")
+"""
+
+NO_SYNC = r"""
+# The Triton path's host code reads no device value back: run a forward of a tiny model on the
+# interpreter with the sync methods of torch.Tensor patched to raise once the context is built.
+import dataclasses
+from tokencache_models import QWEN3_0_6B, random_model
+
+cfg = dataclasses.replace(
+    QWEN3_0_6B, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+)
+model = random_model(cfg, seed=0, std=0.2, attention_backend="triton")
+ref_model = random_model(cfg, seed=0, std=0.2, attention_backend="torch")
+pool, ref_pool = model.make_kv_pool(64), ref_model.make_kv_pool(64)
+a, b = pool.alloc(9), pool.alloc(4)
+for batch in (
+    ForwardBatch.from_requests([list(range(9)), [1, 2, 3, 4]], [[], []], [a, b]),
+    ForwardBatch.from_requests([[5], [6]], [a, b], [pool.alloc(1), pool.alloc(1)]),
+):
+    ref = ref_model(batch, ref_pool)
+    backend = model.attention()
+    ctx = model.build_context(batch, pool, backend)
+    saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu", "numpy")}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync inside the forward body")
+
+    for n in saved:
+        setattr(torch.Tensor, n, refuse)
+    try:
+        out = model.forward_context(ctx, pool, backend)
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+    err = (out.logits - ref.logits).abs().max().item()
+    assert err < 1e-4, err
+print("OK")
+"""
+
+
+def _run(script: str) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "integrations")}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", COMMON + script],
         check=False,
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_triton_decode_kernel_in_interpreter() -> None:
+    _run(DECODE)
+
+
+def test_triton_varlen_kernel_in_interpreter() -> None:
+    _run(VARLEN)
+
+
+@pytest.mark.parametrize("script", [NO_SYNC], ids=["forward"])
+def test_triton_forward_has_no_host_sync_in_interpreter(script: str) -> None:
+    _run(script)

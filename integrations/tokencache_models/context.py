@@ -1,0 +1,206 @@
+"""The per-forward context: what every layer needs to know about one batch, built once.
+
+Like nano-vllm's utils/context.py, but passed explicitly instead of living in a global. Every
+host-side fact (lengths, maxima, the decode flag, padding) is computed here from the CPU inputs
+before the first kernel runs; the index tensors then travel to the device in ONE copy (from pinned
+memory, asynchronously, on CUDA). Nothing between the first and the last kernel of a forward
+needs to read device memory back on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from .kv_pool import KVPool
+
+# Batch sizes a padded decode batch is rounded up to (and the CUDA graphs captured for them).
+DEFAULT_DECODE_BUCKETS: tuple[int, ...] = (
+    *(1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128),
+    *(160, 192, 224, 256),
+)
+# KV chunk of the torch decode path: gathers are padded to KV_CHUNK * 2**k columns.
+KV_CHUNK = 64
+
+
+def decode_bucket(batch: int, buckets: Sequence[int]) -> int | None:
+    """Smallest bucket >= batch, or None when batch is larger than every bucket."""
+    for b in buckets:
+        if b >= batch:
+            return b
+    return None
+
+
+def decode_kv_width(max_kv_len: int) -> int:
+    """KV_CHUNK * 2**k >= max_kv_len: the padded gather width of the torch decode path."""
+    chunks = max(1, -(-max_kv_len // KV_CHUNK))
+    return KV_CHUNK * (1 << (chunks - 1).bit_length())
+
+
+@dataclass
+class HostBatch:
+    """The batch as numpy int64 arrays, possibly with padding rows appended (decode only)."""
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    out_slots: np.ndarray
+    q_offsets: np.ndarray
+    kv_slots: np.ndarray
+    kv_offsets: np.ndarray
+    num_real: int  # requests [0, num_real) are real; the rest are padding rows
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch) -> HostBatch:
+        def np64(t: torch.Tensor) -> np.ndarray:
+            return np.asarray(t.detach().cpu().numpy(), dtype=np.int64).reshape(-1)
+
+        return cls(
+            token_ids=np64(batch.token_ids),
+            positions=np64(batch.positions),
+            out_slots=np64(batch.out_slots),
+            q_offsets=np64(batch.q_offsets),
+            kv_slots=np64(batch.kv_slots),
+            kv_offsets=np64(batch.kv_offsets),
+            num_real=batch.num_requests,
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.q_offsets) - 1
+
+    @property
+    def q_lens(self) -> np.ndarray:
+        return np.diff(self.q_offsets)
+
+    @property
+    def kv_lens(self) -> np.ndarray:
+        return np.diff(self.kv_offsets)
+
+    def padded(self, rows: int, scratch_slot: int) -> HostBatch:
+        """Appends decode padding rows up to `rows`: token 0 at position 0, writing and reading
+        only the scratch slot (a one-token context), so real rows are untouched."""
+        n = rows - self.num_requests
+        if n < 0:
+            raise ValueError(f"cannot pad {self.num_requests} requests down to {rows} rows")
+        if n == 0:
+            return self
+        zeros, scratch = np.zeros(n, np.int64), np.full(n, scratch_slot, np.int64)
+        ones = np.arange(1, n + 1, dtype=np.int64)
+        return HostBatch(
+            token_ids=np.concatenate((self.token_ids, zeros)),
+            positions=np.concatenate((self.positions, zeros)),
+            out_slots=np.concatenate((self.out_slots, scratch)),
+            q_offsets=np.concatenate((self.q_offsets, self.q_offsets[-1] + ones)),
+            kv_slots=np.concatenate((self.kv_slots, scratch)),
+            kv_offsets=np.concatenate((self.kv_offsets, self.kv_offsets[-1] + ones)),
+            num_real=self.num_real,
+        )
+
+
+def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 host arrays -> device tensors in one copy (pinned and non-blocking on CUDA)."""
+    sizes = [int(a.size) for a in arrays]
+    total = sum(sizes)
+    if device.type == "cuda":
+        host = torch.empty(total, dtype=torch.int64, pin_memory=True)
+    else:
+        host = torch.empty(total, dtype=torch.int64)
+    if total:
+        np.concatenate([a.reshape(-1) for a in arrays], out=host.numpy())
+    flat = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    return list(torch.split(flat, sizes))
+
+
+@dataclass
+class ForwardContext:
+    """One forward's batch layout on the model device plus the host facts derived from it.
+
+    Rows [0, num_real) are the caller's requests; rows beyond are padding (decode buckets).
+    `attn` holds the attention backend's own tables (built by backend.prepare, device-only).
+    """
+
+    num_requests: int  # rows, padding included
+    num_real: int
+    num_tokens: int
+    max_q_len: int
+    kv_width: int  # >= every row's kv length: the width of padded KV gathers
+    is_decode: bool  # every row has exactly one new token
+    token_ids: torch.Tensor  # [T] int64 (all index tensors live on the model device)
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T]
+    kv_slots: torch.Tensor  # [S]
+    q_offsets: torch.Tensor  # [B + 1]
+    kv_offsets: torch.Tensor  # [B + 1]
+    last_token: torch.Tensor  # [B] index of each row's last new token in [0, T)
+    scratch_slot: int  # pool row that padding tokens write (see KVPool.scratch_slot)
+    attn: Any = None  # the backend's per-forward tables (backend.prepare)
+    backend: Any = None  # the model's attention backend (TorchPagedAttention or a subclass)
+    pool: KVPool | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    host: dict[str, Any] = field(default_factory=dict)  # backend host plans, read before kernels
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_ids.device
+
+    @classmethod
+    def build(
+        cls,
+        batch: ForwardBatch | HostBatch,
+        device: torch.device,
+        scratch_slot: int,
+        plan: Any = None,
+        pad_rows_to: int | None = None,
+    ) -> ForwardContext:
+        """Host work first (lengths, maxima, padding, the backend's host plan), then one copy.
+
+        plan(host_batch) -> (dict of host facts, list of extra int64 arrays to move) lets the
+        attention backend precompute its host-side tables; the moved arrays land in
+        ctx.host["arrays"] in the same order.
+        """
+        hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
+        if pad_rows_to is not None:
+            hb = hb.padded(pad_rows_to, scratch_slot)
+        q_lens, kv_lens = hb.q_lens, hb.kv_lens
+        is_decode = bool((q_lens == 1).all())
+        max_kv = int(kv_lens.max())
+        facts: dict[str, Any] = {}
+        extra: list[np.ndarray] = []
+        if plan is not None:
+            facts, extra = plan(hb)
+        base = [
+            hb.token_ids,
+            hb.positions,
+            hb.out_slots,
+            hb.kv_slots,
+            hb.q_offsets,
+            hb.kv_offsets,
+            hb.q_offsets[1:] - 1,
+        ]
+        moved = to_device(base + list(extra), device)
+        facts["arrays"] = moved[len(base) :]
+        return cls(
+            num_requests=hb.num_requests,
+            num_real=hb.num_real,
+            num_tokens=len(hb.token_ids),
+            max_q_len=int(q_lens.max()),
+            kv_width=decode_kv_width(max_kv) if is_decode else max_kv,
+            is_decode=is_decode,
+            token_ids=moved[0],
+            positions=moved[1],
+            out_slots=moved[2],
+            kv_slots=moved[3],
+            q_offsets=moved[4],
+            kv_offsets=moved[5],
+            last_token=moved[6],
+            scratch_slot=scratch_slot,
+            host=facts,
+        )

@@ -1,0 +1,186 @@
+"""CUDA-graph decode: one graph per batch-size bucket over static input buffers.
+
+A decode step of B requests is padded to the smallest bucket >= B (padding rows write and read
+only the pool's scratch slot), its inputs are copied into static device buffers, and the graph
+captured for that bucket is replayed. Capture happens on first use of a bucket (or all at once,
+capture_all); every graph shares one memory pool. The padded static path without the capture
+(use_graphs=False) runs anywhere, CPU included, and is what the tests compare with eager.
+
+The graph's shapes depend on the bucket only: the Triton decode kernel reads each row's KV range
+from the (static) offsets buffer, so any context fits as long as the step's slot list fits the
+kv_slots buffer (kv_capacity). The torch path gathers a fixed [rows, width] block, so its graphs
+are keyed by (bucket, width) as well, width = decode_kv_width(max kv length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .context import (
+    KV_CHUNK,
+    ForwardContext,
+    HostBatch,
+    decode_bucket,
+    decode_kv_width,
+    to_device,
+)
+
+if TYPE_CHECKING:
+    from .attention import TorchPagedAttention
+    from .kv_pool import KVPool
+    from .model import CausalLM, ForwardOutput
+
+DEFAULT_KV_CAPACITY = 256 * 8192  # slot-list entries of one decode step (shared ones count)
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        backend: TorchPagedAttention,
+        buckets: Sequence[int],
+        kv_capacity: int | None = None,
+        use_graphs: bool | None = None,
+    ) -> None:
+        if not buckets or min(buckets) < 1:
+            raise ValueError("buckets must be a non-empty list of positive batch sizes")
+        self.model, self.pool, self.backend = model, pool, backend
+        self.buckets = tuple(sorted(set(buckets)))
+        self.max_rows = self.buckets[-1]
+        device = model.device
+        self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.kv_capacity = kv_capacity or max(DEFAULT_KV_CAPACITY, self.max_rows)
+        # The torch path's gather width is part of its graphs' shapes; Triton's is not.
+        self.width_keyed = backend.name == "torch"
+        n = self.max_rows
+
+        def i64(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device=device, dtype=torch.int64)
+
+        self._tokens = i64(torch.zeros(n))
+        self._positions = i64(torch.zeros(n))
+        self._out_slots = i64(torch.zeros(n))
+        self._q_offsets = i64(torch.arange(n + 1))  # decode: one token per row, always
+        self._last_token = i64(torch.arange(n))
+        self._kv_offsets = i64(torch.zeros(n + 1))
+        self._kv_slots = i64(torch.zeros(self.kv_capacity))
+        self._reset()
+        self._graphs: dict[tuple[int, int], tuple[Any, ForwardOutput]] = {}
+        self._mempool: Any = None
+        self.replays = 0  # decode steps served by a graph (tests and benches read it)
+
+    def _reset(self) -> None:
+        """Every row a padding row (token 0 at position 0 over the scratch slot)."""
+        scratch = self.pool.scratch_slot
+        self._tokens.zero_()
+        self._positions.zero_()
+        self._out_slots.fill_(scratch)
+        self._kv_offsets.copy_(torch.arange(self.max_rows + 1))
+        self._kv_slots[: self.max_rows].fill_(scratch)
+
+    def bucket(self, batch: int) -> int | None:
+        return decode_bucket(batch, self.buckets)
+
+    def fits(self, hb: HostBatch) -> bool:
+        """Decode batch within the largest bucket whose padded slot list fits the buffer."""
+        rows = self.bucket(hb.num_requests)
+        if rows is None or not bool((hb.q_lens == 1).all()):
+            return False
+        return len(hb.kv_slots) + rows - hb.num_requests <= self.kv_capacity
+
+    def static_context(self, rows: int, kv_width: int) -> ForwardContext:
+        """A context whose tensors are (views of) the static buffers, for `rows` rows."""
+        return ForwardContext(
+            num_requests=rows,
+            num_real=rows,
+            num_tokens=rows,
+            max_q_len=1,
+            kv_width=kv_width,
+            is_decode=True,
+            token_ids=self._tokens[:rows],
+            positions=self._positions[:rows],
+            out_slots=self._out_slots[:rows],
+            kv_slots=self._kv_slots,
+            q_offsets=self._q_offsets[: rows + 1],
+            kv_offsets=self._kv_offsets[: rows + 1],
+            last_token=self._last_token[:rows],
+            scratch_slot=self.pool.scratch_slot,
+        )
+
+    def _load(self, hb: HostBatch) -> None:
+        """One host-to-device copy of the padded step, then device-side copies into the
+        buffers (rows past the bucket and slot-list entries past its end are never read)."""
+        rows, s = hb.num_requests, len(hb.kv_slots)
+        arrays = [hb.token_ids, hb.positions, hb.out_slots, hb.kv_offsets, hb.kv_slots]
+        tok, pos, out, kv_off, kv = to_device(arrays, self._tokens.device)
+        self._tokens[:rows].copy_(tok)
+        self._positions[:rows].copy_(pos)
+        self._out_slots[:rows].copy_(out)
+        self._kv_offsets[: rows + 1].copy_(kv_off)
+        self._kv_slots[:s].copy_(kv)
+
+    def run(self, hb: HostBatch) -> ForwardOutput:
+        """One decode step of hb's requests through the padded static path (graph replay when
+        use_graphs). Returns the real rows' outputs (copies, not the static buffers)."""
+        if not self.fits(hb):
+            raise ValueError("decode batch does not fit the graph runner (see fits)")
+        b = hb.num_requests
+        rows = self.bucket(b)
+        assert rows is not None
+        hbp = hb.padded(rows, self.pool.scratch_slot)
+        width = decode_kv_width(int(np.diff(hbp.kv_offsets).max()))
+        self._load(hbp)
+        if self.use_graphs:
+            graph, out = self._graphs.get(self._key(rows, width)) or self._capture(rows, width)
+            graph.replay()
+            self.replays += 1
+        else:
+            out = self.model.forward_context(
+                self.static_context(rows, width), self.pool, self.backend
+            )
+        return dataclasses.replace(
+            out, logits=out.logits[:b].clone(), hidden=out.hidden[:b].clone()
+        )
+
+    def _key(self, rows: int, width: int) -> tuple[int, int]:
+        return (rows, width if self.width_keyed else 0)
+
+    def _capture(self, rows: int, width: int) -> tuple[Any, ForwardOutput]:
+        """Warm-up run (Triton compiles, cuBLAS plans) on a side stream, then the capture. Both
+        run on whatever the buffers hold: the current step or padding rows, so the only K/V
+        writes are the ones the replay makes anyway."""
+        model, pool, backend = self.model, self.pool, self.backend
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model.forward_context(self.static_context(rows, width), pool, backend)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            out = model.forward_context(self.static_context(rows, width), pool, backend)
+        entry = (graph, out)
+        self._graphs[self._key(rows, width)] = entry
+        return entry
+
+    @torch.inference_mode()
+    def capture_all(self, widths: Sequence[int] = (KV_CHUNK,)) -> int:
+        """Captures every bucket (largest first, so smaller graphs reuse its pool memory); the
+        torch path once per given gather width. Returns the number of graphs held."""
+        if not self.use_graphs:
+            raise ValueError("capture_all needs use_graphs")
+        self._reset()
+        for w in widths if self.width_keyed else widths[:1]:
+            for rows in reversed(self.buckets):
+                if self._key(rows, w) not in self._graphs:
+                    self._capture(rows, w)
+        return len(self._graphs)
