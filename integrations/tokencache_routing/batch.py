@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,10 +16,18 @@ from .routers import Router, RouterFeatures
 from .state import Request
 
 
-def overlaps_prefill(r: Request, running: Sequence[Request], kind: int, page_size: int) -> bool:
-    """True when r shares at least a page of prefix with a request whose prefill in this model
-    has not run yet: admitted together, both would prefill it (the duplicate freed afterwards),
-    so r waits one step and then matches the first one's KV in the tree instead."""
+def overlaps_prefill(
+    r: Request,
+    running: Sequence[Request],
+    kind: int,
+    page_size: int,
+    cached: Callable[[Request], int] | None = None,
+) -> bool:
+    """True when r shares at least a page of prefix that is not cached yet with a request
+    whose prefill in this model has not run yet: admitted together, both would prefill it (the
+    duplicate freed afterwards), so r waits one step and then matches the first one's KV in the
+    tree instead. cached(r): how much of r the tree already holds (asked only on an overlap)."""
+    known = -1
     for q in running:
         if q.kv[kind].attached:
             continue
@@ -27,19 +35,28 @@ def overlaps_prefill(r: Request, running: Sequence[Request], kind: int, page_siz
         if m < page_size:
             continue
         diff = np.flatnonzero(r.seq[:m] != q.seq[:m])
-        if (diff[0] if len(diff) else m) >= page_size:
+        common = diff[0] if len(diff) else m
+        if common < page_size:
+            continue
+        if known < 0:
+            known = cached(r) if cached is not None else 0
+        if common >= known + page_size:
             return True
     return False
 
 
 def take_catchup_batch(
-    parked: Sequence[Request], cap: int, kind: int, page_size: int
+    parked: Sequence[Request],
+    cap: int,
+    kind: int,
+    page_size: int,
+    cached: Callable[[Request], int] | None = None,
 ) -> tuple[list[Request], list[Request], list[Request]]:
     """Splits parked requests into (catch-up batch, left parked, held back). A request
     making its first forward in this model (handle not attached) that shares at least a page of
-    prefix with another one being attached in this batch is held for the next batch, where it
-    matches the first one's KV in the tree instead of prefilling the prefix again. A request
-    held once is never held again (no starvation); parked order is kept."""
+    uncached prefix with another one being attached in this batch is held for the next batch,
+    where it matches the first one's KV in the tree instead of prefilling the prefix again. A
+    request held once is never held again (no starvation); parked order is kept."""
     batch: list[Request] = []
     rest: list[Request] = []
     held: list[Request] = []
@@ -47,7 +64,9 @@ def take_catchup_batch(
         if len(batch) >= cap:
             rest.append(r)
         elif (
-            r.held_catchup or r.kv[kind].attached or not overlaps_prefill(r, batch, kind, page_size)
+            r.held_catchup
+            or r.kv[kind].attached
+            or not overlaps_prefill(r, batch, kind, page_size, cached)
         ):
             r.held_catchup = False
             batch.append(r)

@@ -1,254 +1,341 @@
-"""Routed decode benchmark: naive dispatchers vs tokencache cursors, in one harness.
+"""Serving benchmark of routed decode: naive dispatchers vs tokencache cursors, one harness.
 
-    python -m tokencache_routing.bench [--quick] [--plot routing_bench.png]
-        [--dispatches naive naive-sglang tokencache threaded] [--no-alone]
-    python -m tokencache_routing.bench --shared-prompt 2000 --max-new 48 --batches 8 32 \
-        --rates 0.1 --no-alone   # long context
+    python -m tokencache_routing.bench [--quick] [--clock gpu|measured]
+        [--profile h200-2026-11-30|h200-roofline] [--contexts 2048 8192] [--rates 0.05 0.1 0.2]
+        [--max-running 32] [--dispatches naive naive-sglang tokencache threaded] [--out DIR]
 
-Dispatches: "naive" (re-admission through tokencache's RadixTree), "naive-sglang" (the same
-through SGLang's own RadixCache; needs sglang importable), "tokencache" (cursors, event loop),
-"threaded" (cursors, one worker thread per model).
+A serving workload: N = --requests-per-slot x max_running requests (a shared system prompt plus
+each request's own text, --context tokens in all once generated) submitted at once and admitted
+continuously as places free up. Tiny random models compute the tokens on this CPU; the engine
+clock prices every forward (default --clock gpu: a GpuClock at Qwen3-0.6B / Qwen3-8B shapes on
+a GPU cost profile fitted to H200 measurements, plus the tree bookkeeping measured here), so a
+schedule is judged by GPU-shaped costs. "threaded" runs on wall time (its two workers really
+overlap), so its rows are CPU measurements whatever the clock.
 
-Tiny random models on CPU by default. For each routing rate p and batch size it reports decode
-tokens/s measured on this machine (the event loop runs the two models in turn on one CPU;
-"tokencache (threaded)" runs one worker thread per model, so on two or more cores they really
-overlap), tokens/s modelled on two devices for the event loop (per step: small and large
-forwards overlap without a barrier, add up with one; "-" for the threaded mode, which is measured),
-the bookkeeping share (time in tokencache calls, or SGLang RadixCache calls for naive-sglang,
-over time in calls plus forwards) and bookkeeping microseconds per decoded token, the small
-model's idle share (modelled), catch-up batch sizes and tokens the large model prefills per
-escalation. The small model alone and the large model alone are the bounds.
+Per (context, p, system): decode tokens/s, time to first token and per-token latency p50/p99
+(engine clock), small-model batch occupancy (batch / admitted requests), small steps, catch-up
+batches, bookkeeping share; bounds: the small model alone, the large model alone, and the ideal
+(small-alone time plus the tokencache run's large catch-up time). Markdown table on stdout,
+bench.json and bench.png (when matplotlib is installed) in --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import statistics
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-import torch
-
-from tokencache_models import CausalLM, ModelConfig, random_model
-
-from .engine import RoutedEngine, Stats
-from .routers import BernoulliRouter, Router, ScriptedRouter
-from .scheduler import SchedulerConfig
-
-
-def tiny_config(layers: int, hidden: int, max_positions: int = 4096) -> ModelConfig:
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=512,
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=max_positions,
-    )
+SYSTEMS = ("naive", "naive-sglang", "tokencache", "threaded")
+BOUNDS = ("small alone", "large alone")
 
 
 @dataclass
 class Row:
-    system: str
+    context: int
     p: float
-    batch: int
-    stats: Stats
+    system: str
+    clock: str
+    requests: int
+    tokens: int
+    seconds: float  # engine clock
+    tokens_per_s: float
+    ttft_p50_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    occupancy: float
+    small_steps: int
+    catchups: int
+    mean_catchup_batch: float
+    bookkeeping_share: float
+    large_s: float = 0.0  # the large model's share of the clock (for the ideal)
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def make_prompts(n: int, shared: int, unique: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, vocab, (shared,), generator=g).tolist()
-    return [base + torch.randint(0, vocab, (unique,), generator=g).tolist() for _ in range(n)]
+def percentile(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def run_one(
-    small: CausalLM,
-    large: CausalLM,
-    router: Router,
+def make_prompts(n: int, shared: int, unique: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = __import__("numpy").random.default_rng(seed)
+    base = rng.integers(0, vocab, shared).tolist()
+    return [base + rng.integers(0, vocab, unique).tolist() for _ in range(n)]
+
+
+def tiny_models(positions: int) -> tuple[Any, Any]:
+    from tokencache_models import ModelConfig, random_model
+
+    def cfg(layers: int, hidden: int) -> Any:
+        return ModelConfig(
+            model_type="llama",
+            vocab_size=512,
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            max_position_embeddings=positions,
+        )
+
+    small = random_model(cfg(1, 64), seed=1, std=0.1, attention_backend="torch").eval()
+    large = random_model(cfg(2, 64), seed=2, std=0.1, attention_backend="torch").eval()
+    return small, large
+
+
+def run(
+    system: str,
+    p: float,
     prompts: list[list[int]],
+    shared: int,
     max_new: int,
-    dispatch: str,
-    sched: SchedulerConfig,
-    mode: str = "events",
-) -> Stats:
-    slots = len(prompts) * (len(prompts[0]) + max_new) + 64
-    eng = RoutedEngine(
-        small,
-        large,
-        router,
-        num_slots=slots,
-        dispatch=dispatch,
-        scheduler=sched,
-        clock="measured",
-        mode=mode,
+    models: tuple[Any, Any],
+    a: argparse.Namespace,
+) -> Row:
+    from tokencache_routing import (
+        BernoulliRouter,
+        GpuClock,
+        RoutedEngine,
+        SchedulerConfig,
+        ScriptedRouter,
     )
-    return eng.generate(prompts, max_new).stats
 
-
-THREADED = "tokencache (threaded)"
-# --dispatches names -> row names; "naive-sglang" drives SGLang's RadixCache (naive_sglang.py).
-DISPATCH_SYSTEMS = {
-    "naive": "naive",
-    "naive-sglang": "naive-sglang",
-    "tokencache": "tokencache",
-    "threaded": THREADED,
-}
-SYSTEMS = tuple(DISPATCH_SYSTEMS.values())
-
-
-def fmt_row(r: Row) -> str:
-    s = r.stats
-    sizes = s.catchup_batch_sizes
-    mean_b = f"{statistics.mean(sizes):.1f}" if sizes else "-"
-    per_esc = f"{sum(s.catchup_tokens) / s.escalations:.1f}" if s.escalations else "-"
-    p = "-" if r.system.endswith("alone") else f"{r.p:.2f}"
-    modeled = "-" if r.system == THREADED else f"{s.modeled_tokens_per_s:.0f}"
-    per_tok = f"{1e6 * s.bookkeeping_s / s.tokens:.1f}" if s.tokens else "-"
-    return (
-        f"| {r.system} | {p} | {r.batch} | {s.tokens_per_s:.0f} | {modeled} | "
-        f"{100 * s.bookkeeping_share:.2f}% | {per_tok} | {100 * s.small_idle_share:.1f}% | "
-        f"{mean_b} | "
-        f"{max(sizes) if sizes else '-'} | {per_esc} | {s.preemptions} |"
+    small, large = models
+    names = (a.small_shape, a.large_shape)
+    router: Any = BernoulliRouter(p, seed=a.seed)
+    dispatch, mode = system, "events"
+    if system in BOUNDS:
+        one = small if system == "small alone" else large
+        name = names[0] if system == "small alone" else names[1]
+        small, large, names, router, dispatch = (
+            one,
+            one,
+            (name, name),
+            ScriptedRouter(),
+            "tokencache",
+        )
+    elif system == "threaded":
+        dispatch, mode = "tokencache", "threaded"
+    clock: Any = GpuClock(*names, profile=a.profile) if a.clock == "gpu" else "measured"
+    if mode == "threaded":
+        clock = "measured"
+    sched = SchedulerConfig(
+        max_running=a.max_running,
+        min_large_batch=a.min_large_batch,
+        max_wait_steps=a.max_wait,
+        max_wait_s=a.max_wait_ms / 1e3,
+    )
+    slots = a.max_running * 2 * max(len(q) + max_new for q in prompts) + 4096
+    eng = RoutedEngine(
+        small, large, router, slots, dispatch=dispatch, scheduler=sched, clock=clock, mode=mode
+    )
+    # Prime both trees with the shared system prompt (a server's steady state), then measure.
+    eng.sched.router = ScriptedRouter(every=True)
+    eng.submit(prompts[0][:shared], 1, route_key=-1).wait()
+    eng.sched.router = router
+    start, clock0 = eng.stats.copy(), eng.now()
+    t0 = time.perf_counter()
+    handles = [eng.submit(q, max_new, route_key=i) for i, q in enumerate(prompts)]
+    for h in handles:
+        h.wait()
+    wall = time.perf_counter() - t0
+    st = eng.stats.since(start)
+    seconds = wall if mode == "threaded" else eng.now() - clock0
+    ttft = [h.token_times[0] - h.submitted_at for h in handles if h.token_times]
+    times = [h.token_times for h in handles]
+    gaps = [b - a_ for ts in times for a_, b in itertools.pairwise(ts)]
+    gpu = eng.gpu_clock
+    pairs = zip(st.catchup_batch_sizes, st.catchup_tokens, strict=True)
+    large_s = sum(gpu.forward_s(1, b, t, 0) for b, t in pairs) if gpu else st.large_forward_s
+    sizes = st.catchup_batch_sizes
+    assert eng.idle_invariant(), f"{system}: engine not idle after the run"
+    return Row(
+        context=len(prompts[0]) + max_new,
+        p=p,
+        system=system,
+        clock=eng.gpu_clock.describe() if eng.gpu_clock is not None else "wall (this CPU)",
+        requests=len(prompts),
+        tokens=st.tokens,
+        seconds=seconds,
+        tokens_per_s=st.tokens / seconds if seconds else 0.0,
+        ttft_p50_ms=1e3 * percentile(ttft, 0.5),
+        tpot_p50_ms=1e3 * percentile(gaps, 0.5),
+        tpot_p99_ms=1e3 * percentile(gaps, 0.99),
+        occupancy=st.small_batch_occupancy,
+        small_steps=st.steps,
+        catchups=len(sizes),
+        mean_catchup_batch=statistics.mean(sizes) if sizes else 0.0,
+        bookkeeping_share=st.bookkeeping_share,
+        large_s=large_s,
+        wall_s=wall,
     )
 
 
 HEADER = (
-    "| system | p | batch | tok/s (this CPU) | tok/s (2 devices, modelled) | bookkeeping share | "
-    "bookkeeping us/token | small idle share | mean catch-up batch | max catch-up batch | "
-    "large prefill tok/escalation "
-    "| preemptions |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| L | p | system | tok/s | x naive | TTFT p50 ms | TPOT p50 ms | TPOT p99 ms | occupancy | "
+    "small steps | catch-ups | mean catch-up | bookkeeping |\n"
+    "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
-def plot(rows: Sequence[Row], path: str) -> bool:
+def table(rows: list[Row]) -> str:
+    out = [HEADER]
+    for r in rows:
+        naive = next(
+            (q for q in rows if q.system == "naive" and (q.context, q.p) == (r.context, r.p)), None
+        )
+        x = f"{r.tokens_per_s / naive.tokens_per_s:.2f}x" if naive and naive.tokens_per_s else "-"
+        p = "-" if r.system in BOUNDS else f"{r.p:.2f}"
+        out.append(
+            f"| {r.context} | {p} | {r.system} | {r.tokens_per_s:.0f} | {x} | "
+            f"{r.ttft_p50_ms:.1f} | {r.tpot_p50_ms:.1f} | {r.tpot_p99_ms:.1f} | "
+            f"{100 * r.occupancy:.0f}% | {r.small_steps} | {r.catchups} | "
+            f"{r.mean_catchup_batch:.1f} | {100 * r.bookkeeping_share:.2f}% |"
+        )
+    return "\n".join(out)
+
+
+def ideal(rows: list[Row], context: int, p: float) -> Row | None:
+    """Small-alone time plus the tokencache run's large catch-up time."""
+    alone = next((r for r in rows if r.system == "small alone" and r.context == context), None)
+    tc = next(
+        (r for r in rows if r.system == "tokencache" and (r.context, r.p) == (context, p)), None
+    )
+    if alone is None or tc is None:
+        return None
+    seconds = alone.seconds + tc.large_s
+    nan = float("nan")
+    return Row(context, p, "ideal", tc.clock, tc.requests, tc.tokens, seconds,
+               tc.tokens / seconds, nan, nan, nan, 1.0, alone.small_steps, tc.catchups,
+               tc.mean_catchup_batch, 0.0)  # fmt: skip
+
+
+def plot(rows: list[Row], path: Path) -> bool:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print('plot skipped: matplotlib is not installed (pip install "./integrations[bench]")')
         return False
-    batches = sorted({r.batch for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
-    for ax, b in zip(axes[0], batches, strict=True):
-        for system in [s for s in SYSTEMS if any(r.system == s for r in rows)]:
-            pts = sorted(  # the threaded mode is measured for real, the event loop modelled
-                (r.p, r.stats.tokens_per_s if system == THREADED else r.stats.modeled_tokens_per_s)
-                for r in rows
-                if r.batch == b and r.system == system
+    contexts = sorted({r.context for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts, strict=True):
+        for system in [*SYSTEMS, "ideal"]:
+            pts = sorted(
+                (r.p, r.tokens_per_s) for r in rows if r.context == ctx and r.system == system
             )
-            label = f"{system}, measured" if system == THREADED else system
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=system)
         for r in rows:
-            if r.batch == b and r.system.endswith("alone"):
-                ax.axhline(
-                    r.stats.modeled_tokens_per_s,
-                    ls="--",
-                    lw=1,
-                    label=r.system,
-                    color="gray" if r.system.startswith("large") else "green",
-                )
-        ax.set_title(f"batch {b}")
+            if r.context == ctx and r.system in BOUNDS:
+                ax.axhline(r.tokens_per_s, ls="--", lw=1, label=r.system,
+                           color="green" if r.system.startswith("small") else "gray")  # fmt: skip
+        ax.set_title(f"context {ctx}")
         ax.set_xlabel("routing rate p")
-        ax.set_ylabel("decode tok/s (2 devices)")
-        ax.legend()
+        ax.set_ylabel("decode tokens/s (engine clock)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes, under 30 s")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (seconds)")
+    ap.add_argument("--clock", choices=["gpu", "measured"], default="gpu")
+    ap.add_argument("--profile", default="h200-2026-11-30", help="GpuClock profile")
+    ap.add_argument("--small-shape", default="qwen3-0.6b", help="model shape the clock prices")
+    ap.add_argument("--large-shape", default="qwen3-8b")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2])
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--shared-prompt", type=int, default=256)
-    ap.add_argument("--unique-prompt", type=int, default=16)
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--min-large-batch", type=int, default=4)
-    ap.add_argument("--max-wait", type=int, default=2, help="max wait in small steps")
-    ap.add_argument(
-        "--max-wait-ms", type=float, default=2.0, help="threaded mode: max wait in milliseconds"
-    )
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    ap.add_argument("--plot", default="routing_bench.png", help="PNG path ('' for none)")
+    ap.add_argument("--max-running", type=int, default=32)
+    ap.add_argument("--requests-per-slot", type=int, default=4, help="N = this x max_running")
+    ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--unique-prompt", type=int, default=32, help="each request's own tokens")
+    ap.add_argument("--min-large-batch", type=int, default=8)
+    ap.add_argument("--max-wait", type=int, default=4, help="max wait in small steps")
+    ap.add_argument("--max-wait-ms", type=float, default=5.0, help="threaded: max wait (ms)")
+    ap.add_argument("--dispatches", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    ap.add_argument("--no-bounds", action="store_true", help="skip small/large alone and ideal")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--dispatches",
-        nargs="+",
-        choices=list(DISPATCH_SYSTEMS),
-        default=None,
-        help="systems to run (default: all four; --quick leaves out naive-sglang, whose "
-        "sglang import alone takes several seconds)",
-    )
-    ap.add_argument("--no-alone", action="store_true", help="skip the small/large-alone bounds")
+    ap.add_argument("--out", default="bench-out/routing", help="folder for bench.json, bench.png")
     a = ap.parse_args(argv)
-    if a.quick:  # explicit size flags still win
-        given = set(argv if argv is not None else sys.argv[1:])
-        if "--shared-prompt" not in given:
-            a.shared_prompt = 32
-        if "--unique-prompt" not in given:
-            a.unique_prompt = 8
-        if "--max-new" not in given:
-            a.max_new = 24
-    if a.dispatches is None:
-        a.dispatches = [d for d in DISPATCH_SYSTEMS if not (a.quick and d == "naive-sglang")]
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    from tqdm import tqdm
+    if a.quick:
+        a.contexts, a.rates, a.max_running, a.requests_per_slot = [96], [0.1], 4, 2
+        a.max_new, a.unique_prompt, a.min_large_batch = 8, 8, 2
+    return a
 
-    positions = max(4096, a.shared_prompt + a.unique_prompt + a.max_new + 8)
-    cfg_small, cfg_large = tiny_config(2, 128, positions), tiny_config(8, 256, positions)
-    small = random_model(cfg_small, seed=1, std=0.1, attention_backend="torch").eval()
-    large = random_model(cfg_large, seed=2, std=0.1, attention_backend="torch").eval()
-    vocab = small.config.vocab_size
-    never = ScriptedRouter()
-    jobs: list[tuple[str, float, int]] = []
-    systems = [DISPATCH_SYSTEMS[d] for d in dict.fromkeys(a.dispatches)]
-    for b in a.batches:
-        if not a.no_alone:
-            jobs += [("small alone", 0.0, b), ("large alone", 0.0, b)]
-        jobs += [(d, p, b) for p in a.rates for d in systems]
-    # Warm-up: the first forwards pay one-off allocator and kernel set-up costs (and the
-    # naive-sglang dispatch imports sglang).
-    warm = make_prompts(2, 8, 4, vocab)
-    warmups = [("tokencache", "events"), ("tokencache", "threaded")]
-    if "naive-sglang" in systems:
-        warmups.append(("naive-sglang", "events"))
-    for dispatch, mode in warmups:
-        run_one(small, large, BernoulliRouter(0.2), warm, 4, dispatch, SchedulerConfig(), mode)
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
+    from tokencache_extras import require_or_exit
+
+    require_or_exit("torch", "tokencache_models", extra="routing", prog="tokencache_routing.bench")
+    import torch
+
+    if "naive-sglang" in a.dispatches:
+        try:
+            from .naive_sglang import sglang_api
+
+            sglang_api()
+        except ImportError as e:
+            print(f"naive-sglang skipped: {e}".splitlines()[0], file=sys.stderr)
+            a.dispatches = [d for d in a.dispatches if d != "naive-sglang"]
+    torch.set_num_threads(a.threads)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    models = tiny_models(max(a.contexts) + 64)
+    n = a.requests_per_slot * a.max_running
+    jobs: list[tuple[int, float, str]] = []
+    for ctx in a.contexts:
+        if not a.no_bounds:
+            jobs += [(ctx, 0.0, s) for s in BOUNDS]
+        jobs += [(ctx, p, s) for p in a.rates for s in a.dispatches]
+    bar = tqdm(jobs, desc="routing bench", file=sys.stderr) if tqdm else jobs
     rows: list[Row] = []
-    for system, p, b in tqdm(jobs, desc="routing bench", file=sys.stderr):
-        prompts = make_prompts(b, a.shared_prompt, a.unique_prompt, vocab, a.seed)
-        if system == "small alone":
-            st = run_one(small, small, never, prompts, a.max_new, "tokencache", SchedulerConfig(b))
-        elif system == "large alone":
-            st = run_one(large, large, never, prompts, a.max_new, "tokencache", SchedulerConfig(b))
-        else:
-            sched = SchedulerConfig(
-                b, a.min_large_batch, a.max_wait, max_wait_s=a.max_wait_ms / 1e3
-            )
-            router = BernoulliRouter(p, seed=a.seed)
-            mode = "threaded" if system == THREADED else "events"
-            dispatch = "tokencache" if system == THREADED else system
-            st = run_one(small, large, router, prompts, a.max_new, dispatch, sched, mode)
-        rows.append(Row(system, p, b, st))
+    for ctx, p, system in bar:
+        shared = max(1, ctx - a.max_new - a.unique_prompt)
+        prompts = make_prompts(n, shared, a.unique_prompt, 512, a.seed)
+        rows.append(run(system, p, prompts, shared, a.max_new, models, a))
+    if not a.no_bounds:
+        for ctx in a.contexts:
+            for p in a.rates:
+                r = ideal(rows, ctx, p)
+                if r is not None:
+                    rows.append(r)
+    order = {s: i for i, s in enumerate([*BOUNDS, "ideal", *SYSTEMS])}
+    rows.sort(key=lambda r: (r.context, r.p if r.system not in BOUNDS else -1, order[r.system]))
+    clock = next((r.clock for r in rows if r.system not in (*BOUNDS, "threaded")), "wall")
     print(
-        f"small: {small.config.num_hidden_layers} layers x {small.config.hidden_size}, large: "
-        f"{large.config.num_hidden_layers} layers x {large.config.hidden_size}; prompt "
-        f"{a.shared_prompt} shared + {a.unique_prompt} own tokens, {a.max_new} new tokens; "
-        f"torch threads {torch.get_num_threads()}\n"
+        f"clock: {clock} + bookkeeping measured here; threaded rows: wall time on this CPU. "
+        f"{n} requests, max_running {a.max_running}, {a.max_new} new tokens each, "
+        f"min_large_batch {a.min_large_batch}, max_wait {a.max_wait} steps\n"
     )
-    print(HEADER)
-    for r in rows:
-        print(fmt_row(r))
-    if a.plot and plot(rows, a.plot):
-        print(f"\nplot: {a.plot}")
+    print(table(rows))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(
+        json.dumps({"args": vars(a), "rows": [asdict(r) for r in rows]}, indent=1)
+    )
+    if plot(rows, out / "bench.png"):
+        print(f"\nplot: {out / 'bench.png'}")
+    print(f"json: {out / 'bench.json'}")
 
 
 if __name__ == "__main__":

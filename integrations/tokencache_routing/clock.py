@@ -44,36 +44,64 @@ def kv_bytes_per_token(c: ModelConfig, bytes_per_elem: int = 2) -> int:
 
 
 @dataclass(frozen=True)
-class ForwardCost:
-    """Seconds for one forward of one model: a + b*batch + c*new_tokens + d*kv_tokens, or the
-    roofline when `roofline` is set."""
+class Linear:
+    """Seconds = a + b*batch + c*new_tokens + d*kv_tokens."""
 
-    model: str
     a: float
     b: float = 0.0
     c: float = 0.0
     d: float = 0.0
-    roofline: tuple[float, float, float] | None = (
-        None  # (weight bytes, kv bytes/token, flops/token)
-    )
+
+    def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
+        return self.a + self.b * batch + self.c * new_tokens + self.d * kv_tokens
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Weights and the KV read once at the bandwidth, or the FLOPs at the peak, whichever is
+    larger, times ROOFLINE_SLACK."""
+
+    weight_bytes: float
+    kv_bytes_per_token: float
+    flops_per_token: float
     bandwidth: float = 4.8e12
     peak_flops: float = 989e12
+
+    @classmethod
+    def of(cls, name: str) -> Roofline:
+        cfg = PRESETS[name]
+        params = param_count(cfg)
+        return cls(2.0 * params, float(kv_bytes_per_token(cfg)), 2.0 * params)
+
+    def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
+        mem = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.bandwidth
+        return ROOFLINE_SLACK * max(mem, self.flops_per_token * new_tokens / self.peak_flops)
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """One model's forward cost. Decode (one new token per request) and multi-token forwards
+    (prefills, catch-ups) cost differently on a real runner, so each has its own fit; a
+    multi-token forward without measurements costs the decode fit or the roofline, whichever
+    is larger."""
+
+    model: str
+    decode: Linear | Roofline
+    multi: Linear | Roofline | None = None
 
     def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
         if batch == 0:
             return 0.0
-        if self.roofline is not None:
-            wbytes, kv_per_tok, flops_per_tok = self.roofline
-            mem = (wbytes + kv_per_tok * kv_tokens) / self.bandwidth
-            return self.a + ROOFLINE_SLACK * max(mem, flops_per_tok * new_tokens / self.peak_flops)
-        return self.a + self.b * batch + self.c * new_tokens + self.d * kv_tokens
+        if new_tokens <= batch:
+            return self.decode(batch, new_tokens, kv_tokens)
+        if self.multi is not None:
+            return self.multi(batch, new_tokens, kv_tokens)
+        roof = Roofline.of(self.model)(batch, new_tokens, kv_tokens)
+        return max(self.decode(batch, new_tokens, kv_tokens), roof)
 
 
-def _fit(rows: list[dict[str, Any]], model: str) -> ForwardCost:
-    """Non-negative least squares by active set (four unknowns: try every support)."""
-    pts = [r for r in rows if r["model"] == model and r.get("path", "torch") in ("torch", "auto")]
-    if len(pts) < 2:
-        raise ValueError(f"no GPU measurements of {model!r} to fit")
+def _fit_linear(pts: list[dict[str, Any]]) -> Linear:
+    """Non-negative least squares by exhaustive support (four unknowns)."""
     x = np.array(
         [[1.0, r["batch"], r["new_tokens"], r["batch"] * r["context"]] for r in pts], dtype=float
     )
@@ -85,13 +113,21 @@ def _fit(rows: list[dict[str, Any]], model: str) -> ForwardCost:
         if (coef < 0).any():
             continue
         err = float(np.abs(x[:, cols] @ coef - y).sum())
-        if best is None or err < best[0]:
+        if best is None or err < best[0] - 1e-12:
             full = np.zeros(4)
             full[cols] = coef
             best = (err, full)
     assert best is not None  # the constant alone is always non-negative
-    a, b, c, d = (float(v) for v in best[1])
-    return ForwardCost(model, a, b, c, d)
+    return Linear(*(float(v) for v in best[1]))
+
+
+def _fit(rows: list[dict[str, Any]], model: str) -> ForwardCost:
+    mine = [r for r in rows if r["model"] == model and r.get("path", "torch") in ("torch", "auto")]
+    decode = [r for r in mine if r["new_tokens"] <= r["batch"]]
+    multi = [r for r in mine if r["new_tokens"] > r["batch"]]
+    if len(decode) < 2:
+        raise ValueError(f"no GPU decode measurements of {model!r} to fit")
+    return ForwardCost(model, _fit_linear(decode), _fit_linear(multi) if len(multi) >= 2 else None)
 
 
 class GpuClock:
@@ -117,11 +153,8 @@ class GpuClock:
 
     @staticmethod
     def roofline(name: str) -> ForwardCost:
-        cfg = PRESETS[name]
-        params = param_count(cfg)
-        return ForwardCost(
-            name, 0.0, roofline=(2.0 * params, kv_bytes_per_token(cfg), 2.0 * params)
-        )
+        roof = Roofline.of(name)
+        return ForwardCost(name, roof, roof)
 
     @classmethod
     def fit(cls, path: str | Path, small: str, large: str) -> GpuClock:

@@ -189,7 +189,9 @@ class Scheduler:
             if small_side >= cfg.max_running or len(self.active()) >= cfg.max_admitted:
                 return
             r = self.waiting[0]
-            if self.holdback and overlaps_prefill(r, self.running, SMALL, small_page):
+            if self.holdback and overlaps_prefill(
+                r, self.running, SMALL, small_page, self._cached_len(SMALL)
+            ):
                 self.stats.held_back += 1
                 return
             self.waiting.popleft()
@@ -197,6 +199,17 @@ class Scheduler:
             r.admit_order = self.admitted
             self.admitted += 1
             self.running.append(r)
+
+    def _cached_len(self, kind: int) -> Callable[[Request], int]:
+        """How much of a request's prompt this model's tree holds (a shared system prompt that
+        is cached already is no reason to hold anyone back)."""
+        side = self.sides[kind]
+
+        def cached(r: Request) -> int:
+            with side.bookkeeping():
+                return int(side.tree.match_prefix(r.seq[: r.n - 1]).length)
+
+        return cached
 
     def preempt(self, r: Request) -> None:
         """Drop a request's KV in both models; it is recomputed from its tokens later."""
@@ -312,7 +325,8 @@ class Scheduler:
         if self.barrier:
             batch, rest, held = list(self.parked), [], []
         else:
-            batch, rest, held = take_catchup_batch(self.parked, cap, LARGE, page)
+            cached = self._cached_len(LARGE)
+            batch, rest, held = take_catchup_batch(self.parked, cap, LARGE, page, cached)
         self.parked = rest
         try:
             prep = self._prepare(batch, LARGE)

@@ -1,7 +1,8 @@
-"""The benchmark command runs end to end (tiny sizes) and prints its markdown table."""
+"""The serving benchmark runs end to end at tiny sizes: table, JSON, every system idle after."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,35 +10,33 @@ import pytest
 from tokencache_routing import bench
 
 
-def test_bench_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    png = tmp_path / "bench.png"
+@pytest.mark.parametrize("profile", ["h200-2026-11-30", "h200-roofline"])
+def test_bench_runs_on_the_gpu_clock(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, profile: str
+) -> None:
     bench.main(
         [
             "--quick",
-            "--rates",
-            "0.2",
-            "--batches",
-            "4",
-            "--shared-prompt",
-            "8",
-            "--max-new",
-            "6",
-            "--plot",
-            str(png),
-        ]
+            "--dispatches",
+            "naive",
+            "tokencache",
+            "threaded",
+            "--profile",
+            profile,
+            "--out",
+            str(tmp_path),
+        ]  # fmt: skip
     )
     out = capsys.readouterr().out
+    assert f"clock: gpu:{profile}" in out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
-    systems = {r.split("|")[1].strip() for r in rows[1:]}
-    assert systems == {
-        "small alone",
-        "large alone",
-        "naive",
-        "tokencache",
-        "tokencache (threaded)",
-    }
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    assert png.exists()
+    systems = {r.split("|")[3].strip() for r in rows[1:]}
+    assert systems == {"small alone", "large alone", "ideal", "naive", "tokencache", "threaded"}
+    data = json.loads((tmp_path / "bench.json").read_text())
+    by = {r["system"]: r for r in data["rows"]}
+    n = 2 * 4  # --quick: 2 x max_running requests of 8 new tokens
+    for name in ("naive", "tokencache", "threaded", "small alone", "large alone"):
+        assert by[name]["requests"] == n and by[name]["tokens"] == n * 8
+        assert by[name]["tokens_per_s"] > 0
+    assert by["threaded"]["clock"] == "wall (this CPU)"
+    assert 0 < by["tokencache"]["occupancy"] <= 1
