@@ -14,19 +14,8 @@ from tokencache_routing import bench
 def test_bench_runs_on_the_gpu_clock(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, profile: str
 ) -> None:
-    bench.main(
-        [
-            "--quick",
-            "--dispatches",
-            "naive",
-            "tokencache",
-            "threaded",
-            "--profile",
-            profile,
-            "--out",
-            str(tmp_path),
-        ]  # fmt: skip
-    )
+    args = ["--quick", "--dispatches", "naive", "tokencache", "threaded"]
+    bench.main([*args, "--profile", profile, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert f"clock: gpu:{profile}" in out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
