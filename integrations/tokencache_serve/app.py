@@ -79,6 +79,7 @@ class Server:
         self.manage_engine = manage_engine
         self.created = int(time.time())
         self.max_context = context_limit(engine)
+        self.inflight: set[Generation] = set()  # submitted, response not finished
         self.metrics = ServerMetrics(engine.metrics)
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -109,6 +110,10 @@ class Server:
         finally:
             if self.manage_engine:
                 self.engine.shutdown()
+
+    def abort_all(self) -> int:
+        """Aborts every request in flight (server shutdown); returns how many were running."""
+        return sum(g.abort() for g in list(self.inflight))
 
     # ------------------------------------------------------------------------- errors
 
@@ -302,6 +307,7 @@ class GenerationResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(self._on_disconnect)
+        self.server.inflight.add(self.gen)
         try:
             if self.params.stream:
                 await self._stream(send)
@@ -309,6 +315,7 @@ class GenerationResponse(Response):
                 await self._whole(send)
         finally:
             watcher.cancel()
+            self.server.inflight.discard(self.gen)
             self.gen.abort()  # no-op once finished; a cancelled handler must not leak KV
             self._record()
 

@@ -99,13 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(a: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    import uvicorn
 
     from tokencache_routing import RoutedEngine
     from tokencache_routing.scheduler import SchedulerConfig
 
     from .app import create_app
     from .loading import load_models, parse_router
+    from .runner import DrainingServer, make_config
 
     logging.basicConfig(
         level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -133,20 +133,16 @@ def serve(a: argparse.Namespace) -> None:
         eos_token_id=models.tokenizer.eos_token_id,
         mode=a.mode,
     )
-    config = ServerConfig(
+    server_config = ServerConfig(
         model_name=a.served_model_name,
         chat_max_tokens=a.max_tokens_default,
         default_temperature=a.default_temperature,
     )
-    app = create_app(engine, models.tokenizer, config)
-    uvicorn.run(
-        app,
-        host=a.host,
-        port=a.port,
-        log_level=a.log_level,
-        access_log=a.access_log,
-        timeout_graceful_shutdown=5,
+    app = create_app(engine, models.tokenizer, server_config)
+    uv_config = make_config(
+        app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.access_log
     )
+    DrainingServer(uv_config).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

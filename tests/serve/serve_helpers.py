@@ -13,7 +13,7 @@ from typing import Any
 from tokencache_routing import EntropyRouter, RequestHandle, RoutedEngine
 from tokencache_routing.scheduler import SchedulerConfig
 from tokencache_serve import ServerConfig, create_app
-from tokencache_serve.background import BackgroundServer
+from tokencache_serve.runner import BackgroundServer
 from tokencache_serve.tiny import TINY_ENTROPY_THRESHOLD
 
 MODEL = "tiny-routed"
@@ -21,6 +21,7 @@ MODEL = "tiny-routed"
 
 def make_engine(tiny: Any, max_running: int = 8, num_slots: int = 8192, **kw: Any) -> RoutedEngine:
     small, large, tok = tiny
+    kw.setdefault("eos_token_id", tok.eos_token_id)
     return RoutedEngine(
         small,
         large,
@@ -28,7 +29,6 @@ def make_engine(tiny: Any, max_running: int = 8, num_slots: int = 8192, **kw: An
         num_slots=num_slots,
         scheduler=SchedulerConfig(max_running=max_running),
         tokenizer=tok,
-        eos_token_id=tok.eos_token_id,
         **kw,
     )
 
@@ -64,9 +64,10 @@ class Served:
         while True:
             m = self.engine.metrics()
             done = all(h.done() for h in self.handles)
-            if done and m["requests_running"] == 0 and m["requests_waiting"] == 0:
-                if self.engine.idle_invariant() and m.get("small_kv_slots_pinned", 0) == 0:
-                    return
+            quiet = done and m["requests_running"] == 0 and m["requests_waiting"] == 0
+            pinned = m.get("small_kv_slots_pinned", 0) + m.get("large_kv_slots_pinned", 0)
+            if quiet and pinned == 0 and self.engine.idle_invariant():
+                return
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle after {timeout} s: {m}")
             time.sleep(0.02)
@@ -98,9 +99,7 @@ def post_raw(url: str, path: str, body: bytes, method: str = "POST") -> tuple[in
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(
-        url + path, data=body if method == "POST" else None, method=method
-    )
+    req = urllib.request.Request(url + path, data=body if method == "POST" else None, method=method)
     req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
@@ -134,6 +133,23 @@ class RawStream:
                 break
             self.buf += chunk
         return self.buf.count(b"data: ")
+
+    def events(self) -> list[bytes]:
+        """The SSE events received so far ('data: ...' payloads), chunked encoding removed."""
+        head, _, rest = self.buf.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        body = b""
+        if b"transfer-encoding: chunked" in head.lower():
+            while rest:
+                size_line, _, rest = rest.partition(b"\r\n")
+                size = int(size_line, 16)
+                if size == 0:
+                    break
+                body += rest[:size]
+                rest = rest[size + 2 :]
+        else:
+            body = rest
+        return [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e.strip()]
 
     def close(self) -> None:
         self.sock.close()

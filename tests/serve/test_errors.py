@@ -113,7 +113,9 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
 ]
 
 
-def check_error(status: int, body: Any, want_status: int, code: str | None, param: str | None) -> None:
+def check_error(
+    status: int, body: Any, want_status: int, code: str | None, param: str | None
+) -> None:
     assert status == want_status, body
     assert set(body) == {"error"}
     err = body["error"]

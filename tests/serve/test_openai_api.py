@@ -66,7 +66,7 @@ def test_completions_match_generate(served: Served, reference: Any, as_text: boo
         assert r.usage.total_tokens == len(p) + len(reference.tokens[i])
         assert r.model == MODEL and r.object == "text_completion"
     # the router did route: some tokens came from each model
-    mask = sum(reference.models, [])
+    mask = [m for ms in reference.models for m in ms]
     assert 0 < sum(mask) < len(mask)
 
 
@@ -134,7 +134,7 @@ def test_chat_matches_generate(served: Served, tiny: Any, stream: bool) -> None:
         )
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-        tokens = sum((ext(ch.choices[0]).get("token_ids", []) for ch in chunks[1:]), [])
+        tokens = [t for ch in chunks[1:] for t in ext(ch.choices[0]).get("token_ids", [])]
         assert text == expected_text(tok, ref.tokens[i])
         assert tokens == ref.tokens[i]
         assert chunks[-1].choices[0].finish_reason == ref.finished_reasons[i]
@@ -166,11 +166,15 @@ def test_stop_string_cuts_and_aborts(served: Served, reference: Any, stream: boo
     if stream:
         chunks = list(c.completions.create(stream=True, **kw))
         text = "".join(ch.choices[0].text for ch in chunks)
-        tokens = sum((ext(ch.choices[0])["token_ids"] for ch in chunks), [])
+        tokens = [t for ch in chunks for t in ext(ch.choices[0])["token_ids"]]
         reason = chunks[-1].choices[0].finish_reason
     else:
         r = c.completions.create(**kw)
-        text, tokens, reason = r.choices[0].text, ext(r.choices[0])["token_ids"], r.choices[0].finish_reason
+        text, tokens, reason = (
+            r.choices[0].text,
+            ext(r.choices[0])["token_ids"],
+            r.choices[0].finish_reason,
+        )
         assert r.usage.completion_tokens == k
     assert text == want_text and stop not in text
     assert tokens == reference.tokens[i][:k]
