@@ -112,6 +112,7 @@ class PreparedForward:
     def run(self) -> tuple[ForwardOutput, float]:
         t0 = time.perf_counter()
         out = self.side.model(self.fb, self.side.pool)
+        self.side.sync()  # measuring on CUDA: the forward's GPU time, not its launch time
         return out, time.perf_counter() - t0
 
     def commit(self) -> None:

@@ -102,6 +102,8 @@ def run(
     models: tuple[Any, Any],
     a: argparse.Namespace,
 ) -> Row:
+    """One system on one workload. a.clock "gpu" prices forwards with a GpuClock at
+    a.small_shape / a.large_shape; "measured" uses their real (synchronised) times."""
     from tokencache_routing import (
         BernoulliRouter,
         GpuClock,
@@ -135,7 +137,9 @@ def run(
         max_wait_steps=a.max_wait,
         max_wait_s=a.max_wait_ms / 1e3,
     )
-    slots = a.max_running * 2 * max(len(q) + max_new for q in prompts) + 4096
+    # The shared prompt once, each admitted request's own tokens, room for the cache to work.
+    own = max(len(q) for q in prompts) - shared + max_new
+    slots = shared + 2 * a.max_running * own + 1024
     eng = RoutedEngine(
         small, large, router, slots, dispatch=dispatch, scheduler=sched, clock=clock, mode=mode
     )

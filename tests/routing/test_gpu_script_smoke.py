@@ -34,21 +34,16 @@ def test_smoke_prints_table(tmp_path: Path) -> None:
     res = _run(["--smoke"], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
-    assert rows and rows[0].startswith("| system | p | batch |"), res.stdout[-3000:]
-    systems = {r.split("|")[1].strip() for r in rows[1:] if not r.startswith("|---")}
-    assert {"small alone", "large alone", "naive", "tokencache"} <= systems
+    assert rows and rows[0].startswith("| L | p | system |"), res.stdout[-3000:]
     result = json.loads((tmp_path / "routing_step.json").read_text())
-    measured = [r for r in result["rows"] if "tokens_per_s" in r]
     assert not [r for r in result["rows"] if "error" in r]
-    systems = {r["system"] for r in measured}
-    assert systems >= {"small alone", "large alone", "naive", "tokencache"}
-    # The threaded dispatch runs when the engine has mode="threaded", else it is skipped, said why.
-    assert ("threaded" in systems) == (result["threaded_skipped"] is None)
-    for r in measured:
-        assert r["tokens"] == r["batch"] * result["max_new"]
-        assert r["preemptions"] == 0 and r["idle_invariant"]
-        if r["escalations"]:  # primed trees: a catch-up covers only generated tokens
-            assert r["large_prefill_per_escalation"] <= result["max_new"]
+    systems = {r["system"] for r in result["rows"]}
+    assert systems == {"small alone", "large alone", "naive", "tokencache", "threaded"}
+    for r in result["rows"]:
+        # the fields the GPU clock is refitted from
+        assert {"dispatch", "p", "batch", "context", "tokens_per_s"} <= set(r)
+        assert r["tokens"] == r["requests"] * result["args"]["max_new"]
+        assert r["tokens_per_s"] > 0
 
 
 def test_refuses_without_cuda(tmp_path: Path) -> None:
