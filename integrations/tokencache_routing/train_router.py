@@ -12,16 +12,22 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+from tokencache_extras import require_or_exit
 
-from .routers import NeuralRouter
+if TYPE_CHECKING:  # torch is imported on use, so that --help works without it
+    import torch
+
+    from .routers import NeuralRouter
 
 KEYS = ("hidden", "token_emb", "topk_logits", "label")
 
 
 def load_features(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
+    import numpy as np
+    import torch
+
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in KEYS}
     for path in paths:
         if str(path).endswith(".npz"):
@@ -48,6 +54,10 @@ def train(
     recall: float = 0.95,
     seed: int = 0,
 ) -> NeuralRouter:
+    import torch
+
+    from .routers import NeuralRouter
+
     torch.manual_seed(seed)
     h, e, t, y = (feats[k] for k in KEYS)
     router = NeuralRouter(h.shape[1], e.shape[1], top_k, width, num_blocks)
@@ -87,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--recall", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    require_or_exit("torch", extra="routing", prog="tokencache_routing.train_router")
+    import torch
+
     feats = load_features(a.features)
     router = train(feats, a.top_k, a.width, a.blocks, a.epochs, a.lr, recall=a.recall, seed=a.seed)
     router.save(a.out)
