@@ -1,19 +1,35 @@
-"""Decode step time vs batch size for Qwen3 shapes with random bf16 weights, both attention paths.
+"""Decode and catch-up step times of the paged model runner: eager vs CUDA graphs (issue 9).
 
-Run on a CUDA machine (no network needed):  python benches/gpu/decode_step.py
-Prints a markdown table; writes decode_step.json into $OUT when that is set.
-Every request attends over `--context` cached tokens (random K/V in shuffled slots); each timed
-step decodes one token per request and rewrites the same slot, so the context stays constant.
+GPU (one prepared run, <= 5 minutes):  python benches/gpu/decode_step.py
+CPU smoke test of every code path (tiny model, no timing claims):  ... --smoke --out DIR
+
+Qwen3 shapes, random bf16 weights. Decode: every request attends over --context cached tokens
+(random K/V in shuffled slots) and each timed step decodes one token per request into the same
+slot, so the context stays constant. Catch-up: k requests x t new tokens at context L (the
+routing engine's large-model forward). Paths:
+  eager   Triton attention (split-KV decode kernel, varlen kernel for catch-ups), no graphs
+  graphs  the same kernels, decode steps replayed from CUDA graphs (padded batch buckets)
+  torch   the portable gather + SDPA attention, eager
+Each row: ms per step (CUDA events, median), host wall ms per step, tokens/s and the fraction of
+the memory-bandwidth bound reached (weights + the batch's KV read once, at --bandwidth-gbs).
+Before timing, graphs are checked against eager on an fp32 model (logits within 1e-4, identical
+greedy tokens over 64 steps) and the Triton catch-up path against the torch one.
+Writes <device>-<date>.json to --out, else $OUT, else benches/gpu/results/ (GPU runs only).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +38,72 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "integrations"))  # runs from a checkout without installing
 
-from tokencache_models import PRESETS, ForwardBatch, KVPool, random_model  # noqa: E402
+from tokencache_models import PRESETS, CausalLM, ForwardBatch, KVPool, random_model  # noqa: E402
+from tokencache_models.config import ModelConfig  # noqa: E402
+from tokencache_models.context import HostBatch  # noqa: E402
+from tokencache_models.graphs import DecodeGraphRunner  # noqa: E402
+
+SMOKE_CONFIG = dataclasses.replace(
+    PRESETS["qwen3-0.6b"],
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
-    p.add_argument("--backends", default="torch,triton")
+    p.add_argument("--paths", default="eager,graphs,torch")
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument(
+        "--catchups",
+        default="1x10@8192,4x10@8192,10x10@8192,10x10@2048,10x15@2048",
+        help="k x t @ L: k requests, t new tokens each, context L",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new runs after")
-    return p.parse_args()
+    p.add_argument("--check-steps", type=int, default=64)
+    p.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="H200 HBM3e: 4.8 TB/s")
+    p.add_argument("--budget-s", type=float, default=270.0, help="stop starting rows after")
+    p.add_argument("--out", default=None, help="JSON file or directory")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few steps")
+    return p.parse_args(argv)
 
 
-def make_batch(bs: int, context: int, perm: torch.Tensor, vocab: int) -> ForwardBatch:
+def parse_catchups(spec: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(\d+)x(\d+)@(\d+)", item.strip())
+        if not m:
+            raise ValueError(f"bad catch-up spec {item!r}; expected KxT@L")
+        k, t, ctx = (int(g) for g in m.groups())
+        if t > ctx:
+            raise ValueError(f"{item}: more new tokens than context")
+        out.append((k, t, ctx))
+    return out
+
+
+def weight_bytes(model: CausalLM) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():  # tied weights once
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return KVPool.bytes_per_slot(config, dtype)
+
+
+def decode_batch(bs: int, context: int, perm: torch.Tensor, vocab: int) -> ForwardBatch:
     """bs decode requests; request r owns perm[r*context:(r+1)*context], the last one new."""
     slots = perm[: bs * context].view(bs, context)
     return ForwardBatch(
@@ -50,93 +116,287 @@ def make_batch(bs: int, context: int, perm: torch.Tensor, vocab: int) -> Forward
     )
 
 
-def time_steps(model: Any, batch: ForwardBatch, pool: KVPool, backend: str, args: Any) -> float:
-    for _ in range(args.warmup):
-        model(batch, pool, backend)
-    torch.cuda.synchronize()
+def catchup_batch(k: int, t: int, context: int, perm: torch.Tensor, vocab: int) -> ForwardBatch:
+    """k requests, each with context - t cached tokens and t new ones (scattered slots)."""
+    slots = perm[: k * context].view(k, context)
+    return ForwardBatch.from_requests(
+        [torch.randint(0, vocab, (t,)) for _ in range(k)],
+        [s[: context - t] for s in slots],
+        [s[context - t :] for s in slots],
+    )
+
+
+def time_calls(fn: Callable[[], Any], warmup: int, iters: int, cuda: bool) -> tuple[float, float]:
+    """(median device ms per call by CUDA events (host ms on CPU), host wall ms per call)."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
-    for _ in range(args.iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        model(batch, pool, backend)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    wall0 = time.perf_counter()
+    for _ in range(iters):
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    wall = (time.perf_counter() - wall0) * 1e3 / iters
+    return statistics.median(times), wall
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("decode_step.py: no CUDA device found; this benchmark needs a GPU.", file=sys.stderr)
-        return 2
-    args = parse_args()
-    t0 = time.monotonic()
-    device = torch.device("cuda")
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
-    backends = args.backends.split(",")
-    rows: list[dict[str, Any]] = []
-    checks: list[dict[str, Any]] = []
-    for name in args.models.split(","):
-        config = PRESETS[name]
-        torch.manual_seed(0)
-        model = random_model(config, device, torch.bfloat16, seed=0)
-        pool = KVPool.for_config(config, max(sizes) * args.context, device, torch.bfloat16)
-        pool.k.normal_()
-        pool.v.normal_()
-        perm = torch.randperm(pool.num_slots)  # scattered slots, as a paged cache would be
-        # Cross-check the two attention paths once per model on a small batch.
-        cb = make_batch(min(8, max(sizes)), args.context, perm, config.vocab_size).to(device)
-        ref = model(cb, pool, "torch")
-        tri = model(cb, pool, "triton")
-        checks.append(
+class Paths:
+    """Runs one batch through a named path of one model."""
+
+    def __init__(self, model: CausalLM, pool: KVPool, cuda: bool) -> None:
+        self.model, self.pool, self.cuda = model, pool, cuda
+        fast = "triton" if cuda else "torch"
+        self.backend = {"eager": fast, "graphs": fast, "torch": "torch"}
+        # On the CPU the graphs path is the padded static path without capture.
+        self.static = None
+        if not cuda:
+            b = model.attention(fast)
+            self.static = DecodeGraphRunner(model, pool, b, model.decode_buckets, use_graphs=False)
+
+    def runner(self) -> DecodeGraphRunner | None:
+        if self.static is not None:
+            return self.static
+        return self.model.graph_runner(self.pool, self.model.attention(self.backend["graphs"]))
+
+    def call(self, path: str, batch: ForwardBatch) -> Callable[[], Any]:
+        model, pool = self.model, self.pool
+        backend = self.backend[path]
+        if path == "graphs" and self.static is not None:
+            hb = HostBatch.from_batch(batch)
+            static = self.static
+            if static.fits(hb):
+                return lambda: static.run(HostBatch.from_batch(batch))
+
+        def run() -> Any:
+            model.decode_graphs = path == "graphs"
+            try:
+                return model(batch, pool, backend)
+            finally:
+                model.decode_graphs = False
+
+        return run
+
+
+def bound_ms(wbytes: int, kv_tokens: int, kv_tok_bytes: int, gbs: float) -> float:
+    return (wbytes + kv_tokens * kv_tok_bytes) / (gbs * 1e9) * 1e3
+
+
+def check_graphs_vs_eager(
+    config: ModelConfig, device: torch.device, steps: int, batch: int, prompt: int, cuda: bool
+) -> dict[str, Any]:
+    """fp32 model: greedy decode of `batch` requests for `steps` steps, eager vs graphs, each in
+    its own pool from the same prefill; max |logit diff| over all steps and whether every greedy
+    token agrees (each path feeds back its own tokens)."""
+    model = random_model(config, device, torch.float32, seed=1, std=0.05)
+    model.decode_graphs = False
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (prompt,), generator=g) for _ in range(batch)]
+    sides: list[dict[str, Any]] = []
+    for path in ("eager", "graphs"):
+        pool = model.make_kv_pool(batch * (prompt + steps) + 8)
+        slots = [pool.alloc(prompt) for _ in range(batch)]
+        out = model(ForwardBatch.from_requests(prompts, [[]] * batch, slots), pool, "torch")
+        sides.append(
             {
-                "model": name,
-                "max_abs_logit_diff": (ref.logits - tri.logits).abs().max().item(),
-                "argmax_equal": bool(torch.equal(ref.logits.argmax(-1), tri.logits.argmax(-1))),
+                "path": path,
+                "pool": pool,
+                "paths": Paths(model, pool, cuda),
+                "slots": slots,
+                "tokens": out.logits.argmax(-1).tolist(),
             }
         )
-        for bs in sizes:
-            batch = make_batch(bs, args.context, perm, config.vocab_size).to(device)
-            for backend in backends:
-                row: dict[str, Any] = {"model": name, "backend": backend, "batch": bs}
-                if time.monotonic() - t0 > args.budget_s:
-                    row["skipped"] = "time budget"
-                else:
-                    try:
-                        ms = time_steps(model, batch, pool, backend, args)
-                        row.update(step_ms=ms, tokens_per_s=bs / ms * 1e3)
-                    except Exception as e:  # record OOM / compile errors and go on
-                        row["error"] = f"{type(e).__name__}: {e}"[:300]
-                        torch.cuda.empty_cache()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        del model, pool
-        torch.cuda.empty_cache()
+    max_diff, same_tokens = 0.0, True
+    for _ in range(steps):
+        logits = []
+        for s in sides:
+            new = [s["pool"].alloc(1) for _ in range(batch)]
+            fb = ForwardBatch.from_requests([[t] for t in s["tokens"]], s["slots"], new)
+            out = s["paths"].call(s["path"], fb)()
+            s["slots"] = [torch.cat((a, b)) for a, b in zip(s["slots"], new, strict=True)]
+            s["tokens"] = out.logits.argmax(-1).tolist()
+            logits.append(out.logits)
+        max_diff = max(max_diff, (logits[0] - logits[1]).abs().max().item())
+        same_tokens &= sides[0]["tokens"] == sides[1]["tokens"]
+    runner = sides[1]["paths"].runner()
+    return {
+        "check": "graphs vs eager, fp32",
+        "batch": batch,
+        "steps": steps,
+        "max_abs_logit_diff": max_diff,
+        "greedy_tokens_identical": same_tokens,
+        "graph_replays": runner.replays if runner is not None and runner.use_graphs else 0,
+        "ok": max_diff <= 1e-4 and same_tokens,
+    }
 
-    print(f"\n## Decode step, context {args.context}, bf16, {torch.cuda.get_device_name()}\n")
-    print("| model | backend | batch | step ms | tokens/s |")
-    print("|---|---|---:|---:|---:|")
-    for r in rows:
-        if "step_ms" in r:
-            ms, tps = f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.0f}"
+
+def check_catchup_paths(
+    model: CausalLM, pool: KVPool, perm: torch.Tensor, spec: tuple[int, int, int]
+) -> dict[str, Any]:
+    k, t, ctx = spec
+    batch = catchup_batch(k, t, ctx, perm, model.config.vocab_size)
+    ref = model(batch, pool, "torch")
+    fast = model(batch, pool, "triton" if model.device.type == "cuda" else "torch")
+    return {
+        "check": f"catch-up {k}x{t}@{ctx}: fast path vs torch path ({model.dtype})",
+        "max_abs_logit_diff": (ref.logits - fast.logits).abs().max().item(),
+        "argmax_equal": bool(torch.equal(ref.logits.argmax(-1), fast.logits.argmax(-1))),
+    }
+
+
+def bench_model(
+    name: str,
+    config: ModelConfig,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    t0: float,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cuda = device.type == "cuda"
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    catchups = parse_catchups(args.catchups)
+    need = max([max(sizes) * args.context] + [k * c for k, _, c in catchups])
+    model = random_model(config, device, dtype, seed=0)
+    model.decode_graphs = False
+    pool = KVPool.for_config(config, need, device, dtype)
+    pool.k_store.normal_()
+    pool.v_store.normal_()
+    perm = torch.randperm(pool.num_slots)  # scattered slots, as a paged cache would be
+    paths = Paths(model, pool, cuda)
+    wbytes, kvb = weight_bytes(model), kv_bytes_per_token(config, dtype)
+    rows: list[dict[str, Any]] = []
+    checks = [check_catchup_paths(model, pool, perm, catchups[0])] if catchups else []
+
+    def timed(row: dict[str, Any], fn: Callable[[], Any], tokens: int, kv_tokens: int) -> None:
+        if time.monotonic() - t0 > args.budget_s:
+            row["skipped"] = "time budget"
         else:
-            ms, tps = r.get("skipped") or r.get("error", "?")[:40], "-"
-        print(f"| {r['model']} | {r['backend']} | {r['batch']} | {ms} | {tps} |")
-    print("\nBackend cross-check (batch 8):", json.dumps(checks))
+            runner = paths.runner() if row["path"] == "graphs" else None
+            before = runner.replays if runner is not None else 0
+            try:
+                ms, wall = time_calls(fn, args.warmup, args.iters, cuda)
+                bound = bound_ms(wbytes, kv_tokens, kvb, args.bandwidth_gbs)
+                row.update(
+                    step_ms=ms,
+                    wall_ms=wall,
+                    tokens_per_s=tokens / ms * 1e3,
+                    bound_ms=bound,
+                    bound_fraction=bound / ms,
+                )
+                runner = paths.runner() if row["path"] == "graphs" else None
+                if runner is not None and runner.use_graphs:
+                    row["graph_replays"] = runner.replays - before
+            except Exception as e:  # record OOM / compile errors and go on
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                if cuda:
+                    torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for bs in sizes:
+        batch = decode_batch(bs, args.context, perm, config.vocab_size)
+        for path in args.paths.split(","):
+            row = {"model": name, "kind": "decode", "path": path, "batch": bs}
+            row["context"] = args.context
+            timed(row, paths.call(path, batch), bs, bs * args.context)
+    for k, t, ctx in catchups:
+        batch = catchup_batch(k, t, ctx, perm, config.vocab_size)
+        for path in args.paths.split(","):
+            if path == "graphs":
+                continue  # multi-token batches are never graphed
+            row = {"model": name, "kind": "catch-up", "path": path, "batch": k, "context": ctx}
+            row["new_tokens"] = t
+            timed(row, paths.call(path, batch), k * t, k * ctx)
+    return rows, checks
+
+
+def markdown(rows: list[dict[str, Any]], title: str) -> str:
+    lines = [f"## {title}", "", "| model | kind | path | batch | context | step ms | host ms |"]
+    lines[-1] += " tokens/s | bound ms | of bound |"
+    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        kind = r["kind"] + (f" x{r['new_tokens']}" if "new_tokens" in r else "")
+        head = f"| {r['model']} | {kind} | {r['path']} | {r['batch']} | {r['context']} |"
+        if "step_ms" in r:
+            lines.append(
+                f"{head} {r['step_ms']:.2f} | {r['wall_ms']:.2f} | {r['tokens_per_s']:.0f} |"
+                f" {r['bound_ms']:.2f} | {r['bound_fraction']:.2f} |"
+            )
+        else:
+            lines.append(f"{head} {(r.get('skipped') or r.get('error', '?'))[:40]} | | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        args.models = "smoke"
+        args.batch_sizes, args.context = "1,3,4", 40
+        args.catchups, args.warmup, args.iters = "2x3@40,1x5@70", 1, 2
+        args.check_steps = min(args.check_steps, 6)
+        args.paths = "eager,graphs,torch"
+    elif not torch.cuda.is_available():
+        print(
+            "decode_step.py: no CUDA device found; this benchmark needs a GPU (--smoke runs "
+            "its code paths on the CPU).",
+            file=sys.stderr,
+        )
+        return 2
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    t0 = time.monotonic()
+    cuda = device.type == "cuda"
+    name0 = args.models.split(",")[0]
+    check_cfg = SMOKE_CONFIG if args.smoke else PRESETS[name0]
+    checks = [check_graphs_vs_eager(check_cfg, device, args.check_steps, 8, 64, cuda)]
+    print(json.dumps(checks[0]), flush=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        config = SMOKE_CONFIG if args.smoke else PRESETS[name]
+        r, c = bench_model(name, config, args, device, dtype, t0)
+        rows += r
+        checks += c
+        gc.collect()  # model <-> graph runner cycles hold the pool and the graphs' memory
+        if cuda:
+            torch.cuda.empty_cache()
+    dev_name = torch.cuda.get_device_name() if cuda else "cpu-smoke"
+    title = f"Decode and catch-up steps, {dtype}, {dev_name}"
+    print("\n" + markdown(rows, title) + "\n\nChecks: " + json.dumps(checks))
     result = {
-        "device": torch.cuda.get_device_name(),
+        "device": dev_name,
         "torch": torch.__version__,
-        "context": args.context,
-        "dtype": "bfloat16",
+        "dtype": str(dtype).replace("torch.", ""),
+        "bandwidth_gbs": args.bandwidth_gbs,
+        "smoke": args.smoke,
         "rows": rows,
         "checks": checks,
         "wall_s": time.monotonic() - t0,
     }
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "decode_step.json").write_text(json.dumps(result, indent=2))
-    return 0
+    out = Path(args.out) if args.out else None
+    if out is None and cuda:  # $OUT is what comes back from the device machine
+        out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benches/gpu/results"
+    if out is not None:
+        if out.suffix != ".json":
+            slug = re.sub(r"[^a-z0-9]+", "-", dev_name.lower()).strip("-")
+            out = out / f"{slug}-{datetime.date.today().isoformat()}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+    return 0 if all(c.get("ok", True) for c in checks) else 1
 
 
 if __name__ == "__main__":

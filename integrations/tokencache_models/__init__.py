@@ -7,6 +7,8 @@ per-model slot pool; prefix slots may be shared between requests (read, never re
 from .attention import TorchPagedAttention, TritonPagedAttention, make_attention_backend
 from .batch import ForwardBatch
 from .config import PRESETS, QWEN3_0_6B, QWEN3_8B, QWEN3_32B, ModelConfig
+from .context import ForwardContext, HostBatch
+from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool, SlotAllocator
 from .loader import (
     GGUFModel,
@@ -29,10 +31,13 @@ __all__ = [
     "QWEN3_8B",
     "QWEN3_32B",
     "CausalLM",
+    "DecodeGraphRunner",
     "ForwardBatch",
+    "ForwardContext",
     "ForwardOutput",
     "GGUFModel",
     "GreedyRunner",
+    "HostBatch",
     "KVPool",
     "ModelConfig",
     "SlotAllocator",

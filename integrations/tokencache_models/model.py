@@ -176,7 +176,7 @@ class CausalLM(nn.Module):
         pad_to = None
         if bool((hb.q_lens == 1).all()) and self.pads_decode():
             pad_to = decode_bucket(hb.num_requests, self.decode_buckets)
-            runner = self.graph_runner(pool, backend)
+            runner = self.graph_runner(pool, backend) if self.decode_graphs else None
             if runner is not None and pad_to is not None and runner.fits(hb):
                 return runner.run(hb)
         return self.forward_context(self.build_context(hb, pool, backend, pad_to), pool, backend)
@@ -202,9 +202,9 @@ class CausalLM(nn.Module):
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def graph_runner(self, pool: KVPool, backend: TorchPagedAttention) -> DecodeGraphRunner | None:
-        """The CUDA-graph decode runner of (pool, backend), made on first use; None when graphs
-        are off or the model is not on CUDA."""
-        if not self.decode_graphs or self.device.type != "cuda":
+        """The CUDA-graph decode runner of (pool, backend), made on first use; None when the
+        model is not on CUDA. forward() uses it for decode steps while decode_graphs is on."""
+        if self.device.type != "cuda":
             return None
         key = (id(pool), backend.name)
         runner = self._graph_runners.get(key)

@@ -39,6 +39,7 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     ROWS: tl.constexpr,
+    TOKENS: tl.constexpr,  # ROWS // GROUP_PAD new tokens per program
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -47,7 +48,6 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     b = tl.program_id(0)
     mb = tl.program_id(1)
     kvh = tl.program_id(2)
-    TOKENS: tl.constexpr = ROWS // GROUP_PAD
     q0 = tl.load(QOff + b)
     q_len = tl.load(QOff + b + 1) - q0
     kv0 = tl.load(KvOff + b)
@@ -165,6 +165,7 @@ def paged_varlen(
         GROUP=group,
         GROUP_PAD=group_pad,
         ROWS=rows,
+        TOKENS=tokens,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=block_n,

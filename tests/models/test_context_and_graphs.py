@@ -220,6 +220,8 @@ def test_graph_runner_fallbacks_and_switches() -> None:
         DecodeGraphRunner(model, pool, model.attention(), ())
     # On CPU the model never makes a graph runner, whatever the switch says.
     assert model.decode_graphs and model.graph_runner(pool, model.attention()) is None
+    model(five, model.make_kv_pool(8))
+    assert not model._graph_runners
 
 
 def test_backend_is_built_once_per_model() -> None:

@@ -1,0 +1,58 @@
+"""benches/gpu/decode_step.py --smoke: every code path of the GPU bench, on the CPU (no timing
+claims), so CI notices when the bench breaks before a GPU session does."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benches" / "gpu" / "decode_step.py"
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("decode_step_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smoke_run_writes_every_row_and_passes_its_checks(tmp_path: Path) -> None:
+    bench = _bench()
+    out = tmp_path / "smoke.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["smoke"] and result["device"] == "cpu-smoke"
+    rows = result["rows"]
+    decode = {(r["path"], r["batch"]) for r in rows if r["kind"] == "decode"}
+    assert decode == {(p, b) for p in ("eager", "graphs", "torch") for b in (1, 3, 4)}
+    catchups = [r for r in rows if r["kind"] == "catch-up"]
+    assert {(r["batch"], r["new_tokens"], r["context"]) for r in catchups} == {
+        (2, 3, 40),
+        (1, 5, 70),
+    }
+    assert all(r["path"] != "graphs" for r in catchups)  # multi-token batches are never graphed
+    for r in rows:
+        assert {"model", "path", "batch", "context", "step_ms"} <= set(r), r
+        assert r["step_ms"] > 0 and r["bound_fraction"] > 0 and r["bound_ms"] > 0
+    graphs_check = result["checks"][0]
+    assert graphs_check["ok"] and graphs_check["greedy_tokens_identical"]
+    assert graphs_check["max_abs_logit_diff"] <= 1e-4
+
+
+def test_catchup_spec_and_refusal_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    assert bench.parse_catchups("10x10@8192, 2x3@40") == [(10, 10, 8192), (2, 3, 40)]
+    with pytest.raises(ValueError):
+        bench.parse_catchups("10x10")
+    with pytest.raises(ValueError):
+        bench.parse_catchups("1x50@40")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present; the refusal path cannot be exercised")
+    assert bench.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
