@@ -155,6 +155,13 @@ fn first_duplicate_in_every_regime() {
     let dense: Vec<i64> = (100..200).chain([150]).collect();
     assert_eq!(first_duplicate(&dense), Some(150));
     assert_eq!(first_duplicate(&dense[..100]), None);
+    let wide: Vec<i64> = (0..5000).map(|i| i * 3).chain([4998]).collect(); // heap bitmap
+    assert_eq!(first_duplicate(&wide), Some(4998));
+    assert_eq!(first_duplicate(&wide[..5000]), None);
+    assert_eq!(
+        first_duplicate(&[0, 4095, 9, 4095, 1, 2, 3, 4, 5]),
+        Some(4095)
+    );
     let sparse: Vec<i64> = (0..40)
         .map(|i| i * 1_000_000_007)
         .chain([7_000_000_049])

@@ -63,11 +63,12 @@ pub(crate) fn validate_pages(config: &TreeConfig, slots: &[i64]) -> Result<()> {
 }
 
 /// The first slot that occurs twice in `slots` (all non-negative), in O(len): a direct scan
-/// for short inputs (a decode step), a bitmap when the slots are dense (as allocators hand them
-/// out), a hash set otherwise.
+/// for a few slots, a bitmap when the slots are dense (as allocators hand them out; on the
+/// stack for a decode step's handful), a hash set otherwise.
 pub(crate) fn first_duplicate(slots: &[i64]) -> Option<i64> {
+    const STACK_WORDS: usize = 64;
     let n = slots.len();
-    if n <= 16 {
+    if n <= 8 {
         return (1..n)
             .find(|&i| slots[..i].contains(&slots[i]))
             .map(|i| slots[i]);
@@ -75,22 +76,28 @@ pub(crate) fn first_duplicate(slots: &[i64]) -> Option<i64> {
     let (lo, hi) = slots
         .iter()
         .fold((i64::MAX, i64::MIN), |(lo, hi), &s| (lo.min(s), hi.max(s)));
-    let span = (hi - lo) as u64;
-    if span / 64 <= 4 * n as u64 {
-        let mut bits = vec![0u64; (span / 64 + 1) as usize];
-        for &s in slots {
-            let offset = (s - lo) as usize;
-            let (word, bit) = (offset / 64, 1u64 << (offset % 64));
-            if bits[word] & bit != 0 {
-                return Some(s);
-            }
-            bits[word] |= bit;
-        }
-        None
+    let words = ((hi - lo) as u64 / 64 + 1) as usize;
+    if words <= STACK_WORDS {
+        first_duplicate_in_bitmap(slots, lo, &mut [0u64; STACK_WORDS])
+    } else if words <= 4 * n {
+        first_duplicate_in_bitmap(slots, lo, &mut vec![0u64; words])
     } else {
         let mut seen = FxHashSet::with_capacity_and_hasher(n, Default::default());
         slots.iter().find(|&&s| !seen.insert(s)).copied()
     }
+}
+
+/// `bits` covers `lo..` and starts zeroed.
+fn first_duplicate_in_bitmap(slots: &[i64], lo: i64, bits: &mut [u64]) -> Option<i64> {
+    for &s in slots {
+        let offset = (s - lo) as usize;
+        let (word, bit) = (offset / 64, 1u64 << (offset % 64));
+        if bits[word] & bit != 0 {
+            return Some(s);
+        }
+        bits[word] |= bit;
+    }
+    None
 }
 
 /// The error for slot `s` found twice in `slots` (the error path only: it scans again).
