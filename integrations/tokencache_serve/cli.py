@@ -15,7 +15,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+from starlette.applications import Starlette
+
 from .app import DEFAULT_MODEL_NAME, ServerConfig
+
+log = logging.getLogger("tokencache_serve")
 
 DESCRIPTION = "tokencache: OpenAI-compatible serving of two-model token routing"
 
@@ -96,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def serve(a: argparse.Namespace) -> None:
+def build_app(a: argparse.Namespace) -> Starlette:
+    """Models, router, engine and app from `serve` arguments (the engine starts with the app)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -105,23 +110,17 @@ def serve(a: argparse.Namespace) -> None:
 
     from .app import create_app
     from .loading import load_models, parse_router
-    from .runner import DrainingServer, make_config
 
-    logging.basicConfig(
-        level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    log = logging.getLogger("tokencache_serve")
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
     models = load_models(
         a.large, a.small, a.small_layers, a.device, a.dtype, a.attention_backend, a.tokenizer
     )
     log.info("loaded %s", models.description)
-    router = parse_router(a.router, models.small)
     engine = RoutedEngine(
         models.small,
         models.large,
-        router,
+        parse_router(a.router, models.small),
         num_slots=a.num_slots,
         large_num_slots=a.large_num_slots,
         scheduler=SchedulerConfig(
@@ -133,16 +132,28 @@ def serve(a: argparse.Namespace) -> None:
         eos_token_id=models.tokenizer.eos_token_id,
         mode=a.mode,
     )
-    server_config = ServerConfig(
+    config = ServerConfig(
         model_name=a.served_model_name,
         chat_max_tokens=a.max_tokens_default,
         default_temperature=a.default_temperature,
     )
-    app = create_app(engine, models.tokenizer, server_config)
-    uv_config = make_config(
+    return create_app(engine, models.tokenizer, config)
+
+
+def serve(a: argparse.Namespace) -> None:
+    from .runner import DrainingServer, make_config
+
+    logging.basicConfig(
+        level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = build_app(a)
+    config = make_config(
         app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.access_log
     )
-    DrainingServer(uv_config).run()
+    try:
+        DrainingServer(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        log.info("stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
