@@ -6,6 +6,13 @@
 //!   namespaces, KV events).
 //! - [`Cursor`]: a request's place in the tree; resume is free, extend is O(new tokens).
 //! - Pins are atomic operations on one node (`cell.rs`); the tree is `Send + Sync`.
+//!
+//! Modules, each depending only on those listed before it: `error`, `events`, `cell` (the
+//! per-node atomic word), `node` (arena, leaf keys), `policy`, `config`, `handle` (what callers
+//! hold), `inner` (the state behind the lock and every structural step on it), `shared` (the
+//! lock and the queue of lock-free pin changes), `validate` (read-only checks before any
+//! change), `invariants`, `print`, `schedule` (dfs-weight order), `tree` (the public API),
+//! `cursor`. `fault` exists only with the test-only `fault-injection` feature.
 
 mod cell;
 mod config;
