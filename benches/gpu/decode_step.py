@@ -10,6 +10,7 @@ routing engine's large-model forward). Paths:
   eager   Triton attention (split-KV decode kernel, varlen kernel for catch-ups), no graphs
   graphs  the same kernels, decode steps replayed from CUDA graphs (padded batch buckets)
   torch   the portable gather + SDPA attention, eager
+  unfused eager without the Triton fusions of the elementwise chains (fused.py)
 Each row: ms per step (CUDA events, median), host wall ms per step, tokens/s and the fraction of
 the memory-bandwidth bound reached (weights + the batch's KV read once, at --bandwidth-gbs).
 Before timing, graphs are checked against eager on an fp32 model (logits within 1e-4, identical
@@ -59,7 +60,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
-    p.add_argument("--paths", default="eager,graphs,torch")
+    p.add_argument("--paths", default="eager,graphs,torch,unfused")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument(
         "--catchups",
@@ -157,7 +158,7 @@ class Paths:
     def __init__(self, model: CausalLM, pool: KVPool, cuda: bool) -> None:
         self.model, self.pool, self.cuda = model, pool, cuda
         fast = "triton" if cuda else "torch"
-        self.backend = {"eager": fast, "graphs": fast, "torch": "torch"}
+        self.backend = {"eager": fast, "graphs": fast, "torch": "torch", "unfused": fast}
         # On the CPU the graphs path is the padded static path without capture.
         self.static = None
         if not cuda:
@@ -180,10 +181,12 @@ class Paths:
 
         def run() -> Any:
             model.decode_graphs = path == "graphs"
+            model.fused = False if path == "unfused" else None
             try:
                 return model(batch, pool, backend)
             finally:
                 model.decode_graphs = False
+                model.fused = None
 
         return run
 
@@ -345,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batch_sizes, args.context = "1,3,4", 40
         args.catchups, args.warmup, args.iters = "2x3@40,1x5@70", 1, 2
         args.check_steps = min(args.check_steps, 6)
-        args.paths = "eager,graphs,torch"
+        args.paths = "eager,graphs,torch,unfused"
     elif not torch.cuda.is_available():
         print(
             "decode_step.py: no CUDA device found; this benchmark needs a GPU (--smoke runs "

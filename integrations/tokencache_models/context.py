@@ -145,6 +145,8 @@ class ForwardContext:
     pool: KVPool | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    fused: bool = False  # run the Triton fusions (fused.py) instead of the torch op chains
+    inv_freq: torch.Tensor | None = None  # rotary inverse frequencies (fused RoPE)
     host: dict[str, Any] = field(default_factory=dict)  # backend host plans, read before kernels
 
     @property

@@ -166,7 +166,8 @@ class DecodeGraphRunner:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # thread_local: the routing engine's threaded mode runs the other model meanwhile.
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             out = model.forward_context(self.static_context(rows, width), pool, backend)
         entry = (graph, out)
         self._graphs[self._key(rows, width)] = entry

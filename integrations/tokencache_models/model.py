@@ -7,11 +7,12 @@ so a HF state dict loads with load_state_dict.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
-from .attention import TorchPagedAttention, make_attention_backend
+from .attention import TorchPagedAttention, make_attention_backend, triton_available
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .context import DEFAULT_DECODE_BUCKETS, ForwardContext, HostBatch, decode_bucket
@@ -45,14 +46,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        assert ctx.pool is not None and ctx.cos is not None and ctx.sin is not None
+        assert ctx.pool is not None
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        if ctx.fused:
+            from .fused import qk_norm_rope
+
+            assert ctx.inv_freq is not None
+            qw = self.q_norm.weight if self.qk_norm else None
+            kw = self.k_norm.weight if self.qk_norm else None
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q = qk_norm_rope(q, ctx.positions, ctx.inv_freq, qw, eps)
+            k = qk_norm_rope(k, ctx.positions, ctx.inv_freq, kw, eps)
+        else:
+            assert ctx.cos is not None and ctx.sin is not None
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         # The store views include the scratch row that padding tokens write.
         k_cache, v_cache = ctx.pool.k_store[self.layer_idx], ctx.pool.v_store[self.layer_idx]
         # Write every new token's K/V first, so attention reads prefix and new tokens uniformly.
@@ -75,6 +87,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
+
+    def forward_fused(
+        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the residual adds carried into the next norm (one kernel each):
+        takes (h, residual) with x = h + residual (residual None: x = h), returns the pair for
+        the next layer."""
+        from .fused import add_rmsnorm, silu_mul
+
+        n1, n2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
+        y, residual = add_rmsnorm(h, residual, n1.weight, n1.eps)
+        y, residual = add_rmsnorm(self.self_attn(y, ctx), residual, n2.weight, n2.eps)
+        out: torch.Tensor = mlp.down_proj(silu_mul(mlp.gate_proj(y), mlp.up_proj(y)))
+        return out, residual
 
 
 class DecoderBody(nn.Module):
@@ -107,6 +133,8 @@ class CausalLM(nn.Module):
         # Decode speed switches (CUDA only): pad decode batches to a bucket; replay CUDA graphs.
         self.decode_padding: bool | None = None  # None: on when the model is on CUDA
         self.decode_graphs = True
+        # Triton fusions of the elementwise chains (fused.py); None: on when on CUDA.
+        self.fused: bool | None = None
         self.decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
         self._graph_runners: dict[tuple[int, str], DecodeGraphRunner] = {}
         self.tie_weights()
@@ -136,6 +164,11 @@ class CausalLM(nn.Module):
         if backend is None:
             backend = self._backends[name] = make_attention_backend(name, self.device)
         return backend
+
+    def uses_fusions(self) -> bool:
+        if self.fused is not None:
+            return self.fused
+        return self.device.type == "cuda" and triton_available()
 
     def pads_decode(self) -> bool:
         return (
@@ -190,9 +223,18 @@ class CausalLM(nn.Module):
         ctx.pool, ctx.backend = pool, backend
         ctx.attn = backend.prepare(ctx)
         x = self.model.embed_tokens(ctx.token_ids)
-        ctx.cos, ctx.sin = self.rotary(ctx.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
+        ctx.fused = self.uses_fusions()
+        if ctx.fused:
+            ctx.inv_freq = self.rotary.inv_freq(x.device)
+            residual = None
+            for layer in self.model.layers:
+                x, residual = cast(DecoderLayer, layer).forward_fused(x, residual, ctx)
+            if residual is not None:
+                x = x + residual
+        else:
+            ctx.cos, ctx.sin = self.rotary(ctx.positions, x.dtype)
+            for layer in self.model.layers:
+                x = layer(x, ctx)
         # Only each request's last token needs the final norm and the head. Padding rows go
         # through the head too (same GEMM shapes as the graph, hence the same rounding), then drop.
         hidden = self.model.norm(x.index_select(0, ctx.last_token))

@@ -30,7 +30,7 @@ def test_smoke_run_writes_every_row_and_passes_its_checks(tmp_path: Path) -> Non
     assert result["smoke"] and result["device"] == "cpu-smoke"
     rows = result["rows"]
     decode = {(r["path"], r["batch"]) for r in rows if r["kind"] == "decode"}
-    assert decode == {(p, b) for p in ("eager", "graphs", "torch") for b in (1, 3, 4)}
+    assert decode == {(p, b) for p in ("eager", "graphs", "torch", "unfused") for b in (1, 3, 4)}
     catchups = [r for r in rows if r["kind"] == "catch-up"]
     assert {(r["batch"], r["new_tokens"], r["context"]) for r in catchups} == {
         (2, 3, 40),

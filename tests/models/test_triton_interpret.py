@@ -146,6 +146,77 @@ print("OK")
 """
 
 
+FUSED = r"""
+# Each Triton fusion against the unfused torch modules it replaces, then whole forwards.
+import dataclasses
+from torch.nn import functional as F
+from tokencache_models import QWEN3_0_6B, random_model
+from tokencache_models.config import ModelConfig
+from tokencache_models.fused import add_rmsnorm, qk_norm_rope, silu_mul
+from tokencache_models.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+def close(a, b, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: a rounding or two apart
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= tol * max(1.0, b.float().abs().max().item()), (dtype, err)
+
+for dtype in (torch.float32, torch.bfloat16):
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    x, r = torch.randn(7, 48).to(dtype), torch.randn(7, 48).to(dtype)
+    y, res = add_rmsnorm(x, r, norm.weight.detach(), norm.eps)
+    if dtype == torch.float32:
+        assert torch.equal(res, x + r)  # the residual add rounds as torch's
+    else:  # the interpreter truncates fp32 -> bf16 (GPUs round to nearest): one ulp apart
+        close(res, x + r, dtype)
+    close(y, norm(x + r).detach(), dtype)
+    y, res = add_rmsnorm(x, None, norm.weight.detach(), norm.eps)
+    assert res is x
+    close(y, norm(x).detach(), dtype)
+
+    cfg = ModelConfig("qwen3", 10, 32, 64, 1, 4, 2, head_dim=16, rope_theta=1e6)
+    rot = RotaryEmbedding(cfg)
+    pos = torch.tensor([0, 1, 2, 700, 8191, 5, 4096])
+    q = torch.randn(7, 4, 16).to(dtype)
+    qn = RMSNorm(16, 1e-6).to(dtype)
+    with torch.no_grad():
+        qn.weight.normal_(1.0, 0.3)
+    cos, sin = rot(pos, dtype)
+    inv = rot.inv_freq(torch.device("cpu"))
+    ref = apply_rope(qn(q), cos, sin).detach()
+    close(qk_norm_rope(q, pos, inv, qn.weight.detach(), qn.eps), ref, dtype)
+    close(qk_norm_rope(q, pos, inv, None, 0.0), apply_rope(q, cos, sin), dtype)
+
+    g, u = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    close(silu_mul(g, u), F.silu(g) * u, dtype)
+
+base = dataclasses.replace(
+    QWEN3_0_6B, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+)
+# Qwen3 (fused q/k norms) with the Triton attention, Llama (RoPE only) with the torch one.
+for cfg, backend in ((base, "triton"), (dataclasses.replace(base, model_type="llama"), "torch")):
+    model = random_model(cfg, seed=0, std=0.2, attention_backend=backend)
+    pools = [model.make_kv_pool(64), model.make_kv_pool(64)]
+    a, b = pools[0].alloc(9), pools[0].alloc(4)
+    d1, d2 = pools[0].alloc(1), pools[0].alloc(1)
+    batches = (
+        ForwardBatch.from_requests([list(range(9)), [1, 2, 3, 4]], [[], []], [a, b]),
+        ForwardBatch.from_requests([[5], [6]], [a, b], [d1, d2]),
+    )
+    for batch in batches:
+        outs = []
+        for fused, pool in zip((False, True), pools):
+            model.fused = fused
+            outs.append(model(batch, pool))
+        err = (outs[0].logits - outs[1].logits).abs().max().item()
+        assert err < 1e-4, (cfg.model_type, backend, err)
+    assert torch.allclose(pools[0].k, pools[1].k, atol=1e-5)
+print("OK")
+"""
+
+
 def _run(script: str) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "integrations")}
@@ -166,6 +237,10 @@ def test_triton_decode_kernel_in_interpreter() -> None:
 
 def test_triton_varlen_kernel_in_interpreter() -> None:
     _run(VARLEN)
+
+
+def test_triton_fusions_match_the_unfused_path_in_interpreter() -> None:
+    _run(FUSED)
 
 
 @pytest.mark.parametrize("script", [NO_SYNC], ids=["forward"])
