@@ -17,6 +17,7 @@ barrier: every step waits for every parked request's catch-up.
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -147,6 +148,7 @@ class RoutedEngine:
         self._drive_lock = threading.Lock()  # one inline driver at a time
         self._driver_lock = threading.Lock()  # starting / stopping driver threads
         self._driver: Any = None  # a thread (events) or workers.ThreadedDriver
+        self._retired: Any = None  # the last driver that decided to stop (may still be exiting)
         self._persistent = False  # start() was called: the driver runs until shutdown()
         self._closed = False
         self._current: list[RequestHandle] = []  # the latest stream: abort(int) indexes it
@@ -219,12 +221,12 @@ class RoutedEngine:
         with self._driver_lock:
             self._closed = True
             self._persistent = False
-            driver = self._driver
+            drivers = [d for d in (self._driver, self._retired) if d is not None]
         with self._inbox_lock:
             pending = list(self._inbox)
         for r in pending + self.sched.active() + list(self.sched.waiting):
             self._abort_request(r)
-        if driver is not None:
+        for driver in drivers:
             driver.wake()
             driver.join(timeout)
         self._flush_aborts()
@@ -293,10 +295,11 @@ class RoutedEngine:
         self._current = handles
         news: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i, h in enumerate(handles):
-            h.add_listener(lambda _h, i=i: news.put(i))
+            h.add_listener(functools.partial(_put_index, news, i))
+        # Before enqueueing: a driver thread may finish (or fail) a request at once.
+        left = {i for i, r in enumerate(reqs) if r.finished_reason is None}
         self._enqueue(reqs)
         seen = [0] * len(reqs)
-        left = {i for i, r in enumerate(reqs) if r.finished_reason is None or r.tokens}
         try:
             while left:
                 try:
@@ -327,11 +330,12 @@ class RoutedEngine:
     def _join_idle_driver(self, timeout: float = 30.0) -> None:
         """Threaded mode without start(): the workers stop once idle; wait for them, so a
         generate() leaves no thread behind."""
-        d = self._driver
-        if self._persistent or d is None:
+        if self._persistent:
             return
-        d.wake()
-        d.join(timeout)
+        for d in (self._driver, self._retired):
+            if d is not None:
+                d.wake()
+                d.join(timeout)
 
     def abort(self, rid: int | RequestHandle) -> bool:
         """Stops a request: a RequestHandle, or an index into the latest stream()/generate()'s
@@ -464,7 +468,7 @@ class RoutedEngine:
             with self.sched.lock:
                 if self.sched.has_work():
                     return False
-            self._driver = None
+            self._retired, self._driver = self._driver, None
             return True
 
     def _wait(self, r: Request, timeout: float | None) -> bool:
@@ -635,6 +639,10 @@ class RoutedEngine:
         cost = self._cost(LARGE, prep, dt)
         back = s.finish_large(prep, out, t + cost + self._host_s() - host0)
         return cost + self._host_s() - host0, back
+
+
+def _put_index(q: queue.SimpleQueue[int], i: int, _handle: RequestHandle) -> None:
+    q.put(i)
 
 
 class _EventLoopThread:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .batch import PreparedForward
 from .scheduler import WaitForMemory
@@ -34,6 +36,12 @@ class ThreadedDriver:
         self.cv = threading.Condition(self.sched.lock)
         self.stop = False
         self.small_busy = False  # a small forward is running
+        # One GPU: the large model's forwards go on a second CUDA stream so the two models'
+        # kernels can overlap (on two devices each has its own default stream anyway).
+        self.streams: list[Any] = [None, None]
+        large_dev = eng.large.model.device
+        if large_dev.type == "cuda" and large_dev == eng.small.model.device:
+            self.streams[1] = torch.cuda.Stream(device=large_dev)  # type: ignore[no-untyped-call]
         self.threads = [
             threading.Thread(target=self._guard, args=(self._small,), name="tokencache-small"),
             threading.Thread(target=self._guard, args=(self._large,), name="tokencache-large"),
@@ -88,7 +96,13 @@ class ThreadedDriver:
         """The forward, outside the lock; on an error its requests fail and free their KV."""
         self.cv.release()
         try:
-            return prep.run()
+            stream = self.streams[kind]
+            if stream is None:
+                return prep.run()
+            with torch.cuda.stream(stream):
+                out = prep.run()
+            stream.synchronize()
+            return out
         except BaseException as e:
             error = e
         finally:
