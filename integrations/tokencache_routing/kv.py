@@ -145,7 +145,10 @@ class CursorKV:
         """One native extend for the whole batch; duplicates go back to the allocator and the
         rows point at the tree's slots for them instead."""
         with side.bookkeeping():
-            dedup = side.tree.extend_many([h.cursor for h in handles], offsets, tokens, slots)
+            cursors = [h.cursor for h in handles if h.cursor is not None]
+            if len(cursors) != len(handles):
+                raise RuntimeError("commit_many: a handle has no cursor (not attached)")
+            dedup = side.tree.extend_many(cursors, offsets, tokens, slots)
         for i, h in enumerate(handles):
             h._append(slots[offsets[i] : offsets[i + 1]])
         if len(dedup):

@@ -146,7 +146,7 @@ class NaiveSGLangKV(NaiveKV):
 
     def __init__(self, side: SGLangSide) -> None:
         super().__init__(side)
-        self.side: SGLangSide = side  # type: ignore[assignment]
+        self.side: SGLangSide = side
         self.node: Any = None  # the locked last_device_node (req.last_node)
 
     def attach(self, seq: np.ndarray) -> None:

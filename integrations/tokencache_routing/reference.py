@@ -16,7 +16,8 @@ def full_forward_logits(model: CausalLM, seq: Sequence[int]) -> torch.Tensor:
     """Next-token logits after seq, from a fresh pool with nothing cached."""
     pool = model.make_kv_pool(len(seq))
     batch = ForwardBatch.from_requests([list(seq)], [[]], [torch.arange(len(seq))])
-    return model(batch, pool).logits[0]
+    logits: torch.Tensor = model(batch, pool).logits[0]
+    return logits
 
 
 def reference_generate(

@@ -27,7 +27,8 @@ class RouterFeatures:
     def log_probs(self) -> torch.Tensor:
         if "lp" not in self._cache:
             self._cache["lp"] = torch.log_softmax(self.logits.float(), dim=-1)
-        return self._cache["lp"]
+        lp: torch.Tensor = self._cache["lp"]
+        return lp
 
     @property
     def entropy(self) -> torch.Tensor:
@@ -78,7 +79,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         x = x + np.uint64(0x9E3779B97F4A7C15)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        out: np.ndarray = x ^ (x >> np.uint64(31))
+        return out
 
 
 class BernoulliRouter(Router):
@@ -96,7 +98,8 @@ class BernoulliRouter(Router):
                 ^ positions.astype(np.uint64)
             )
         u = (_splitmix64(key) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-        return u < self.p
+        escalate: np.ndarray = u < self.p
+        return escalate
 
     def route(self, f: RouterFeatures) -> torch.Tensor:
         return torch.from_numpy(self.decide(f.rids.numpy(), f.positions.numpy()))
@@ -134,7 +137,8 @@ class _Block(nn.Module):
         self.fc2 = nn.Linear(width * expansion, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+        y: torch.Tensor = x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+        return y
 
 
 class NeuralRouter(nn.Module, Router):
@@ -187,7 +191,8 @@ class NeuralRouter(nn.Module, Router):
         x = self.inp(x)
         for b in self.blocks:
             x = b(x)
-        return self.out(self.norm(x)).squeeze(-1)
+        score: torch.Tensor = self.out(self.norm(x)).squeeze(-1)
+        return score
 
     @torch.no_grad()
     def route(self, f: RouterFeatures) -> torch.Tensor:

@@ -323,7 +323,7 @@ class Scheduler:
         cap = len(self.parked) if self.barrier else self.cfg.max_large_batch or len(self.parked)
         page = self.sides[LARGE].tree.page_size
         if self.barrier:
-            batch, rest, held = list(self.parked), [], []
+            batch, rest, held = list(self.parked), list[Request](), list[Request]()
         else:
             cached = self._cached_len(LARGE)
             batch, rest, held = take_catchup_batch(self.parked, cap, LARGE, page, cached)
