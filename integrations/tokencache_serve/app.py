@@ -27,7 +27,7 @@ from starlette.types import Message, Receive, Scope, Send
 from tokencache_routing import RoutedEngine, SamplingParams
 
 from .errors import APIError, bad_request
-from .generation import Chunk, Generation, GenerationError
+from .generation import Chunk, Generation, GenerationError, LoopWaker
 from .metrics import ServerMetrics
 from .protocol import (
     ChatRequest,
@@ -80,6 +80,7 @@ class Server:
         self.created = int(time.time())
         self.max_context = context_limit(engine)
         self.inflight: set[Generation] = set()  # submitted, response not finished
+        self._waker: LoopWaker | None = None  # made in the serving loop (lifespan)
         self.metrics = ServerMetrics(engine.metrics)
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -102,6 +103,7 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        self._waker = LoopWaker(asyncio.get_running_loop())
         if self.manage_engine:
             self.engine.start()
         log.info("serving %s (max context %d)", self.config.model_name, self.max_context)
@@ -110,6 +112,11 @@ class Server:
         finally:
             if self.manage_engine:
                 self.engine.shutdown()
+
+    def _loop_waker(self) -> LoopWaker:
+        if self._waker is None:  # served without lifespan events
+            self._waker = LoopWaker(asyncio.get_running_loop())
+        return self._waker
 
     def abort_all(self) -> int:
         """Aborts every request in flight (server shutdown); returns how many were running."""
@@ -272,7 +279,7 @@ class Server:
                 max_tokens,
                 sampling,
                 p.stop,
-                asyncio.get_running_loop(),
+                self._loop_waker(),
                 arrival,
             )
         except (ValueError, TypeError) as e:
