@@ -184,6 +184,16 @@ class RoutedEngine:
             idle = not self.sched.has_work()
             return idle and all(s.idle_invariant() for s in self.sides)
 
+    @property
+    def closed(self) -> bool:
+        """shutdown() was called: no submission is accepted, drivers stop."""
+        return self._closed
+
+    def has_submissions(self) -> bool:
+        """Driver interface: requests submitted but not yet taken in by intake()."""
+        with self._inbox_lock:
+            return bool(self._inbox)
+
     def now(self) -> float:
         """The engine clock: modelled (event loop) or wall time since construction (threaded)."""
         if self.mode == "threaded":
@@ -400,7 +410,7 @@ class RoutedEngine:
             self._inbox += live
         for r in reqs:
             if r.finished_reason is not None:
-                self._notify([r])
+                self.notify([r])
         if live:
             self._ensure_driver()
 
@@ -419,12 +429,13 @@ class RoutedEngine:
         if self._driver_alive() and not force:
             return
         with self.sched.lock:
-            self._intake()
+            self.intake()
             self.sched.apply_aborts()
             touched = self.sched.take_touched()
-        self._notify(touched)
+        self.notify(touched)
 
-    def _notify(self, reqs: list[Request]) -> None:
+    def notify(self, reqs: list[Request]) -> None:
+        """Driver interface: wakes waiters and runs listeners (never under the scheduler lock)."""
         seen: set[int] = set()
         for r in reqs:
             if r.rid in seen:
@@ -459,7 +470,7 @@ class RoutedEngine:
                 self._driver = _EventLoopThread(self)
             self._driver.start()
 
-    def _driver_should_exit(self) -> bool:
+    def driver_should_exit(self) -> bool:
         """Called by an idle driver thread: exit unless start() keeps it (under _driver_lock
         so a racing submit either sees it alive or starts a new one)."""
         with self._driver_lock, self._inbox_lock:
@@ -502,7 +513,8 @@ class RoutedEngine:
         else:
             time.sleep(step / 4)
 
-    def _intake(self) -> None:
+    def intake(self) -> None:
+        """Driver interface: submitted requests enter the scheduler (under its lock)."""
         with self._inbox_lock:
             new, self._inbox = self._inbox, []
         for r in new:
@@ -517,12 +529,12 @@ class RoutedEngine:
                 worked = self._iterate_locked()
             finally:
                 touched = s.take_touched()
-        self._notify(touched)  # outside the scheduler lock: listeners may abort
+        self.notify(touched)  # outside the scheduler lock: listeners may abort
         return worked
 
     def _iterate_locked(self) -> bool:
         s = self.sched
-        self._intake()
+        self.intake()
         s.apply_aborts()
         if s.inflight and self._done_at <= self._t_small:
             s.running += s.inflight
@@ -673,7 +685,7 @@ class _EventLoopThread:
                 worked = eng.iterate()
             if worked:
                 continue
-            if eng._closed or eng._driver_should_exit():
+            if eng.closed or eng.driver_should_exit():
                 with eng._drive_lock:
                     eng._flush_aborts(force=True)
                 return

@@ -80,7 +80,7 @@ class ThreadedDriver:
                 s.fail(s.active() + list(s.waiting), e)
                 touched = s.take_touched()
                 self.cv.notify_all()
-            self.eng._notify(touched)
+            self.eng.notify(touched)
 
     def _notify(self) -> None:
         """Under the lock: hand the news to listeners after releasing it."""
@@ -88,7 +88,7 @@ class ThreadedDriver:
         self.cv.notify_all()
         self.cv.release()
         try:
-            self.eng._notify(touched)
+            self.eng.notify(touched)
         finally:
             self.cv.acquire()
 
@@ -116,7 +116,7 @@ class ThreadedDriver:
         eng, s = self.eng, self.sched
         with self.cv:
             while not self.stop:
-                eng._intake()
+                eng.intake()
                 s.apply_aborts()
                 s.admit()
                 try:
@@ -125,8 +125,8 @@ class ThreadedDriver:
                     prep = None
                 if prep is None:
                     self._notify()
-                    idle = not s.has_work() and not eng._inbox
-                    if idle and (eng._closed or self._exit_when_idle()):
+                    idle = not s.has_work() and not eng.has_submissions()
+                    if idle and (eng.closed or self._exit_when_idle()):
                         break
                     self.cv.wait(_POLL_S)
                     continue
@@ -147,7 +147,7 @@ class ThreadedDriver:
     def _exit_when_idle(self) -> bool:
         self.cv.release()
         try:
-            return self.eng._driver_should_exit()
+            return self.eng.driver_should_exit()
         finally:
             self.cv.acquire()
 
