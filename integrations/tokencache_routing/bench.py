@@ -14,8 +14,9 @@ overlap), so its rows are CPU measurements whatever the clock.
 
 Per (context, p, system): decode tokens/s, time to first token and per-token latency p50/p99
 (engine clock), small-model batch occupancy (batch / admitted requests), small steps, catch-up
-batches, bookkeeping share (tree and cursor time measured here, over the engine clock's time); bounds: the small model alone, the large model alone, and the ideal
-(small-alone time plus the tokencache run's large catch-up time). Markdown table on stdout,
+batches, bookkeeping share (tree and cursor time measured here, over the engine clock's time);
+bounds: the small model alone, the large model alone, and the ideal (small-alone time plus the
+tokencache run's large catch-up time). Markdown table on stdout,
 bench.json and bench.png (when matplotlib is installed) in --out.
 """
 
