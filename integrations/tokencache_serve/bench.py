@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -230,8 +231,7 @@ async def _http_load(host: str, port: int, prompts: list[list[int]], a: argparse
 
 
 def _cpu_s(pid: int) -> float:
-    import psutil
-
+    psutil = importlib.import_module("psutil")  # untyped (no stubs): used through Any
     t = psutil.Process(pid).cpu_times()
     return float(t.user + t.system)
 
