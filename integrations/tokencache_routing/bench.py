@@ -199,7 +199,8 @@ def table(rows: list[Row]) -> str:
         naive = next(
             (q for q in rows if q.system == "naive" and (q.context, q.p) == (r.context, r.p)), None
         )
-        x = f"{r.tokens_per_s / naive.tokens_per_s:.2f}x" if naive and naive.tokens_per_s else "-"
+        same_clock = naive is not None and naive.clock == r.clock and naive.tokens_per_s
+        x = f"{r.tokens_per_s / naive.tokens_per_s:.2f}x" if same_clock and naive else "-"
         p = "-" if r.system in BOUNDS else f"{r.p:.2f}"
         out.append(
             f"| {r.context} | {p} | {r.system} | {r.tokens_per_s:.0f} | {x} | "
