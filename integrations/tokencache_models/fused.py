@@ -72,6 +72,7 @@ def add_rmsnorm(
         eps,
         HAS_RES=residual is not None,
         BLOCK=triton.next_power_of_2(n),
+        num_warps=8 if n >= 4096 else 4,  # one row per program: wide rows want more threads
     )
     return y, r_out
 

@@ -15,6 +15,7 @@ are keyed by (bucket, width) as well, width = decode_kv_width(max kv length).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,10 @@ class DecodeGraphRunner:
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError("buckets must be a non-empty list of positive batch sizes")
-        self.model, self.pool, self.backend = model, pool, backend
+        # The pool owns its runners (KVPool.graph_runners); a weak reference back keeps the
+        # pool, the graphs and their memory freeable together when the caller drops the pool.
+        self._pool = weakref.ref(pool)
+        self.model, self.backend = model, backend
         self.buckets = tuple(sorted(set(buckets)))
         self.max_rows = self.buckets[-1]
         device = model.device
@@ -76,6 +80,13 @@ class DecodeGraphRunner:
         self._graphs: dict[tuple[int, int], tuple[Any, ForwardOutput]] = {}
         self._mempool: Any = None
         self.replays = 0  # decode steps served by a graph (tests and benches read it)
+
+    @property
+    def pool(self) -> KVPool:
+        pool = self._pool()
+        if pool is None:
+            raise RuntimeError("the KV pool of this graph runner no longer exists")
+        return pool
 
     def _reset(self) -> None:
         """Every row a padding row (token 0 at position 0 over the scratch slot)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .config import ModelConfig
@@ -84,6 +86,8 @@ class KVPool:
         self.k = self.k_store[:, :num_slots]  # the public [layers, slots, kv_heads, head_dim]
         self.v = self.v_store[:, :num_slots]
         self.allocator = SlotAllocator(num_slots)
+        # CUDA-graph decode runners over this pool, by (model id, backend name); see graphs.py.
+        self.graph_runners: dict[tuple[int, str], Any] = {}
 
     @classmethod
     def for_config(

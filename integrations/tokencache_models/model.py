@@ -136,7 +136,6 @@ class CausalLM(nn.Module):
         # Triton fusions of the elementwise chains (fused.py); None: on when on CUDA.
         self.fused: bool | None = None
         self.decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
-        self._graph_runners: dict[tuple[int, str], DecodeGraphRunner] = {}
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -248,9 +247,10 @@ class CausalLM(nn.Module):
         model is not on CUDA. forward() uses it for decode steps while decode_graphs is on."""
         if self.device.type != "cuda":
             return None
-        key = (id(pool), backend.name)
-        runner = self._graph_runners.get(key)
-        if runner is None or runner.pool is not pool:
+        # Held by the pool, not the model: a dropped pool frees its graphs with it.
+        key = (id(self), backend.name)
+        runner = pool.graph_runners.get(key)
+        if not isinstance(runner, DecodeGraphRunner) or runner.model is not self:
             runner = DecodeGraphRunner(self, pool, backend, self.decode_buckets)
-            self._graph_runners[key] = runner
+            pool.graph_runners[key] = runner
         return runner

@@ -218,10 +218,17 @@ def test_graph_runner_fallbacks_and_switches() -> None:
         DecodeGraphRunner(model, pool, model.attention(), (2,), use_graphs=True)  # CPU model
     with pytest.raises(ValueError):
         DecodeGraphRunner(model, pool, model.attention(), ())
+    # The runner only weakly refers to its pool: dropping the pool frees it (and its graphs).
+    tmp = model.make_kv_pool(8)
+    tmp_runner = DecodeGraphRunner(model, tmp, model.attention(), (1,), use_graphs=False)
+    del tmp
+    with pytest.raises(RuntimeError):
+        _ = tmp_runner.pool
     # On CPU the model never makes a graph runner, whatever the switch says.
     assert model.decode_graphs and model.graph_runner(pool, model.attention()) is None
-    model(five, model.make_kv_pool(8))
-    assert not model._graph_runners
+    pool8 = model.make_kv_pool(8)
+    model(five, pool8)
+    assert not pool8.graph_runners
 
 
 def test_backend_is_built_once_per_model() -> None:
