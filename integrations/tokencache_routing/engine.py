@@ -139,8 +139,10 @@ class RoutedEngine:
             barrier=dispatch != "tokencache",
             holdback=dispatch == "tokencache",
         )
-        # A request needs at most prompt + max_new_tokens - 1 slots in each model.
-        self.max_context = min(n_small, n_large) + 1
+        # A request needs at most prompt + max_new_tokens - 1 slots in each model, and positions
+        # within both models' context windows.
+        positions = min(small.config.max_position_embeddings, large.config.max_position_embeddings)
+        self.max_context = min(n_small + 1, n_large + 1, positions)
 
         self._inbox: list[Request] = []  # submitted, not yet seen by the scheduler
         self._inbox_lock = threading.Lock()
@@ -248,7 +250,9 @@ class RoutedEngine:
                 "requests_submitted": self._next_rid,
                 "requests_running": len(s.active()),
                 "requests_waiting": len(s.waiting) + len(self._inbox),
+                "requests_finished": st.finished,
                 "tokens_generated": st.tokens,
+                "tokens_large": st.large_tokens,
                 "escalations": st.escalations,
                 "catchups": len(st.catchup_batch_sizes),
                 "preemptions": st.preemptions,
@@ -382,9 +386,9 @@ class RoutedEngine:
         arr = as_token_array(prompt, self.vocab_size)
         if len(arr) + m > self.max_context:
             raise ValueError(
-                f"prompt ({len(arr)} tokens) + max_new_tokens ({m}) can never fit: the KV pools "
-                f"hold {self.max_context - 1} tokens (small {self.small.pool.num_slots}, large "
-                f"{self.large.pool.num_slots})"
+                f"prompt ({len(arr)} tokens) + max_new_tokens ({m}) can never fit: at most "
+                f"{self.max_context} (KV pools: small {self.small.pool.num_slots}, large "
+                f"{self.large.pool.num_slots} slots; context windows)"
             )
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError("sampling must be a SamplingParams")

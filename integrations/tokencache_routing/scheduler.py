@@ -158,6 +158,7 @@ class Scheduler:
                     reason = "abort"
                 r.finished_reason = reason
                 r.error = error
+            self.stats.finished += 1
             if reason == "abort":
                 self.stats.aborted += 1
             elif reason == "error":
@@ -383,6 +384,7 @@ class Scheduler:
         r.n += 1
         r.models.append(model)
         self.stats.tokens += 1
+        self.stats.large_tokens += model == LARGE
         with r.cond:
             if not r.abort_requested:  # nothing is delivered after abort() returned
                 r.tokens.append(token)

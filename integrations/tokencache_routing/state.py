@@ -160,6 +160,11 @@ class RequestHandle:
         the engine's next iteration. False when it had already finished."""
         return bool(self._engine._abort_request(self._req))
 
+    def tokens_since(self, start: int) -> tuple[list[int], list[int]]:
+        """(tokens, models) delivered from index `start` on: O(new tokens), for listeners."""
+        with self._req.cond:
+            return self._req.tokens[start:], self._req.token_models[start:]
+
     def add_listener(self, fn: Callable[[RequestHandle], None]) -> None:
         """fn(handle) runs on the engine's driver thread after new tokens and once at the end.
         Called at once when tokens or the end are already there."""
@@ -201,6 +206,8 @@ class Stats:
     preemptions: int = 0
     aborted: int = 0  # requests stopped by an abort while the engine still held them
     failed: int = 0  # requests ended by an error
+    finished: int = 0  # requests ended for any reason
+    large_tokens: int = 0  # tokens the large model wrote
     wall_s: float = 0.0
     small_forward_s: float = 0.0
     large_forward_s: float = 0.0
