@@ -138,6 +138,7 @@ class DecodeGraphRunner:
         self._kv_offsets[: rows + 1].copy_(kv_off)
         self._kv_slots[:s].copy_(kv)
 
+    @torch.inference_mode()
     def run(self, hb: HostBatch) -> ForwardOutput:
         """One decode step of hb's requests through the padded static path (graph replay when
         use_graphs). Returns the real rows' outputs (copies, not the static buffers)."""

@@ -218,6 +218,11 @@ def test_graph_runner_fallbacks_and_switches() -> None:
         DecodeGraphRunner(model, pool, model.attention(), (2,), use_graphs=True)  # CPU model
     with pytest.raises(ValueError):
         DecodeGraphRunner(model, pool, model.attention(), ())
+    # Made inside inference mode (as model.forward does), run outside it.
+    with torch.inference_mode():
+        inner = DecodeGraphRunner(model, pool, model.attention(), (1, 2), use_graphs=False)
+    one = ForwardBatch.from_requests([[1]], [a[:3]], [pool.alloc(1)])
+    torch.testing.assert_close(inner.run(HostBatch.from_batch(one)).logits, model(one, pool).logits)
     # The runner only weakly refers to its pool: dropping the pool frees it (and its graphs).
     tmp = model.make_kv_pool(8)
     tmp_runner = DecodeGraphRunner(model, tmp, model.attention(), (1,), use_graphs=False)
