@@ -131,6 +131,8 @@ class RoutedEngine:
         )
         for s in self.sides:
             s.sync_cuda = self.clock == "measured" and s.model.device.type == "cuda"
+            if self.clock == "gpu":
+                s.timer = time.thread_time
         self.sched = Scheduler(
             self.sides,
             scheduler or SchedulerConfig(),

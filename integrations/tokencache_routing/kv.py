@@ -8,7 +8,7 @@ Every tokencache call is timed into `bookkeeping_s` (the bookkeeping share of st
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -29,6 +29,9 @@ class ModelSide:
         # Measuring on CUDA: synchronise around tree calls, so device work a tree enqueues (as
         # SGLang's does) is charged to bookkeeping, not to the next forward.
         self.sync_cuda = False
+        # The GPU clock charges bookkeeping as host time: measured as this thread's CPU time,
+        # so other processes on a shared machine do not inflate it.
+        self.timer: Callable[[], float] = time.perf_counter
 
     def sync(self) -> None:
         if self.sync_cuda:
@@ -37,12 +40,12 @@ class ModelSide:
     @contextmanager
     def bookkeeping(self) -> Iterator[None]:
         self.sync()
-        t0 = time.perf_counter()
+        t0 = self.timer()
         try:
             yield
         finally:
             self.sync()
-            self.bookkeeping_s += time.perf_counter() - t0
+            self.bookkeeping_s += self.timer() - t0
 
     def alloc(self, n: int) -> np.ndarray:
         return self.pool.alloc(n).numpy()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -80,19 +81,20 @@ def _key(tokens: np.ndarray) -> Any:
 class PoolAllocator:
     """What SGLang's RadixCache calls on its token allocator, forwarded to our KVPool."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, timer: Callable[[], float] = time.perf_counter) -> None:
         self.pool = pool
+        self.timer = timer  # the side's bookkeeping timer, so the two subtract cleanly
         self.device = torch.device("cpu")
         self.freed = 0  # slots handed back by the cache (eviction)
         self.free_s = 0.0  # time inside those frees (not bookkeeping: the pool's own work)
 
     def free(self, free_index: torch.Tensor) -> None:
-        t0 = time.perf_counter()
+        t0 = self.timer()
         n = int(free_index.numel())
         if n:
             self.pool.free(free_index.to(torch.int64))
         self.freed += n
-        self.free_s += time.perf_counter() - t0
+        self.free_s += self.timer() - t0
 
     def free_segment(self, free_index: torch.Tensor, start_pos: int = 0) -> None:
         self.free(free_index)
@@ -113,7 +115,7 @@ class SGLangSide(ModelSide):
     def __init__(self, name: str, model: CausalLM, pool: KVPool, page_size: int = 1) -> None:
         super().__init__(name, model, pool, page_size)
         sgl = sglang_api()
-        self.allocator = PoolAllocator(pool)
+        self.allocator = PoolAllocator(pool, lambda: self.timer())
         self.cache = sgl.RadixCache(
             sgl.CacheInitParams(
                 disable=False,
