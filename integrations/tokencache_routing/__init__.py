@@ -4,22 +4,49 @@ The small model decodes; a router escalates hard tokens; the large model catches
 tokens written since its own cursor in one batched extend, emits the token, and the request
 resumes on the small side. Each model has its own RadixTree over its own KVPool. Requests are
 submitted online (RoutedEngine.submit -> RequestHandle); generate() and stream() build on it.
+
+The names below are imported on first use (PEP 562), so that ``python -m
+tokencache_routing.demo --help`` and the other commands start without torch.
 """
 
-from .clock import GpuClock
-from .engine import RoutedEngine
-from .reference import reference_generate
-from .routers import (
-    BernoulliRouter,
-    EntropyRouter,
-    NeuralRouter,
-    Router,
-    RouterFeatures,
-    ScriptedRouter,
-    Top1ProbRouter,
-)
-from .scheduler import SchedulerConfig
-from .state import GenerateResult, RequestHandle, SamplingParams, Stats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .clock import GpuClock
+    from .engine import RoutedEngine
+    from .reference import reference_generate
+    from .routers import (
+        BernoulliRouter,
+        EntropyRouter,
+        NeuralRouter,
+        Router,
+        RouterFeatures,
+        ScriptedRouter,
+        Top1ProbRouter,
+    )
+    from .scheduler import SchedulerConfig
+    from .state import GenerateResult, RequestHandle, SamplingParams, Stats
+
+_HOMES = {
+    "GpuClock": ".clock",
+    "RoutedEngine": ".engine",
+    "reference_generate": ".reference",
+    "BernoulliRouter": ".routers",
+    "EntropyRouter": ".routers",
+    "NeuralRouter": ".routers",
+    "Router": ".routers",
+    "RouterFeatures": ".routers",
+    "ScriptedRouter": ".routers",
+    "Top1ProbRouter": ".routers",
+    "SchedulerConfig": ".scheduler",
+    "GenerateResult": ".state",
+    "RequestHandle": ".state",
+    "SamplingParams": ".state",
+    "Stats": ".state",
+}
 
 __all__ = [
     "BernoulliRouter",
@@ -38,3 +65,12 @@ __all__ = [
     "Top1ProbRouter",
     "reference_generate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -16,7 +16,7 @@ Each model side keeps its own ``RadixCache`` over its own pool (per-model trees,
 tokencache dispatch). Bookkeeping time covers the key construction, the cache calls and the
 slot-index conversions (what a scheduler pays per admission), not the allocator's frees.
 
-sglang is imported on first use (``tokencache_sglang.stubs.install()`` runs before it), so the
+sglang is imported on first use (``tokencache_sglang.sglang_import.import_sglang()``), so the
 other dispatches work without it.
 """
 

@@ -26,6 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from tokencache_routing import RoutedEngine, SamplingParams
 
+from . import DEFAULT_MODEL_NAME
 from .errors import APIError, bad_request
 from .generation import Chunk, Generation, GenerationError, LoopWaker
 from .metrics import ServerMetrics
@@ -38,7 +39,6 @@ from .protocol import (
     parse_json_body,
 )
 
-DEFAULT_MODEL_NAME = "tokencache-routed"
 log = logging.getLogger("tokencache_serve")
 
 

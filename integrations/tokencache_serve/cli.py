@@ -14,10 +14,12 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from starlette.applications import Starlette
+from . import DEFAULT_MODEL_NAME
 
-from .app import DEFAULT_MODEL_NAME, ServerConfig
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
 
 log = logging.getLogger("tokencache_serve")
 
@@ -108,7 +110,7 @@ def build_app(a: argparse.Namespace) -> Starlette:
     from tokencache_routing import RoutedEngine
     from tokencache_routing.scheduler import SchedulerConfig
 
-    from .app import create_app
+    from .app import ServerConfig, create_app
     from .loading import load_models, parse_router
 
     if a.torch_threads:
@@ -163,6 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.print_help()
         return 2
     if a.command == "serve":
+        from tokencache_extras import require_or_exit
+
+        require_or_exit(
+            "starlette", "uvicorn", "prometheus_client", extra="serve", prog="tokencache"
+        )
+        require_or_exit("torch", extra="routing", prog="tokencache")
         try:
             serve(a)
         except (ValueError, FileNotFoundError) as e:
