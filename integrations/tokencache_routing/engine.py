@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from tokencache_models import CausalLM, KVPool
 
@@ -77,6 +78,8 @@ class RoutedEngine:
         large_step_cost: float = 1.0,
         mode: str = "events",
         topology: str | None = None,
+        small_device: str | torch.device | None = None,
+        large_device: str | torch.device | None = None,
     ) -> None:
         if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch must be one of {', '.join(map(repr, DISPATCHES))}")
@@ -86,6 +89,12 @@ class RoutedEngine:
             raise ValueError("mode='threaded' needs dispatch='tokencache' (naive has a barrier)")
         if small.config.vocab_size != large.config.vocab_size:
             raise ValueError("small and large models must share a vocabulary")
+        # Two GPUs: each model (and so its KV pool) on its own device; the threaded driver then
+        # overlaps them for real, and the event loop's clock models the overlap.
+        if small_device is not None:
+            small = small.to(torch.device(small_device))
+        if large_device is not None:
+            large = large.to(torch.device(large_device))
         if not isinstance(clock, GpuClock) and clock not in CLOCKS:
             raise ValueError(f"clock must be one of {CLOCKS} or a GpuClock, got {clock!r}")
         if topology is None:

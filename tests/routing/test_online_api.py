@@ -66,3 +66,15 @@ def test_wait_times_out_and_abort_stops(pair: Any) -> None:
     assert h.wait(30) and h.finished_reason == "abort"
     eng.shutdown()
     assert eng.idle_invariant()
+
+
+def test_model_devices_can_be_named(pair: Any) -> None:
+    router = BernoulliRouter(0.3, seed=22)
+    eng = RoutedEngine(*pair, router, 256, small_device="cpu", large_device="cpu")
+    assert eng.topology == "one-device"  # same device: catch-ups run between small steps
+    assert eng.small.pool.device == eng.large.pool.device == eng.small.model.device
+    prompts = make_prompts(3, seed=82)
+    ref, _ = reference_generate(*pair, prompts, 5, bernoulli_decide(router))
+    assert eng.generate(prompts, 5).tokens == ref
+    with pytest.raises(RuntimeError):
+        RoutedEngine(*pair, router, 256, large_device="no-such-device")
