@@ -10,7 +10,9 @@ come with an extra of ``integrations/pyproject.toml`` (``models``, ``routing``, 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 EXTRAS = ("models", "routing", "sglang", "bench", "serve")
 
@@ -49,3 +51,21 @@ def require_or_exit(*modules: str, extra: str, prog: str) -> None:
             require(module, extra=extra)
         except MissingExtra as exc:
             raise SystemExit(f"{prog}: {exc}") from None
+
+
+def lazy_attributes(
+    package: str, homes: dict[str, str], namespace: dict[str, Any]
+) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) that imports ``name`` from its home submodule on first
+    use and caches it in ``namespace``, so a package's ``import`` pulls in no heavy dependency
+    (its commands' ``--help`` then works without torch)."""
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(home, package), name)
+        namespace[name] = value  # later lookups skip this function
+        return value
+
+    return __getattr__

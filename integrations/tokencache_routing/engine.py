@@ -624,36 +624,29 @@ class RoutedEngine:
         return sum(side.bookkeeping_s for side in self.sides)
 
     def _run_small(self, t: float) -> float:
+        cost, parked = self._run(SMALL, t)
+        for r in parked:
+            r.parked_step = self.sched.stats.steps
+        return cost
+
+    def _run_large(self, t: float) -> tuple[float, list[Request]]:
+        return self._run(LARGE, t)
+
+    def _run(self, kind: int, t: float) -> tuple[float, list[Request]]:
+        """Schedule, run and commit one forward of a model starting at clock time t; returns its
+        cost on the engine clock and the requests finish_* hands back (parked after a small
+        step, going on after a catch-up)."""
         s = self.sched
+        if kind == SMALL:
+            schedule, finish = s.schedule_small, s.finish_small
+        else:
+            schedule, finish = s.schedule_large, s.finish_large
         host0 = self._host_s()
         try:
-            prep = s.schedule_small()
+            prep = schedule()
         except WaitForMemory:  # nothing is busy in the event loop
             raise RuntimeError("event loop: memory held by a busy request") from None
         if prep is None:
-            return 0.0
-        try:
-            out, dt = prep.run()
-        except BaseException as e:
-            s.abandon(prep, e)
-            if not isinstance(e, Exception):
-                raise
-            return 0.0
-        s.stats.small_forward_s += dt
-        cost = self._cost(SMALL, prep, dt)
-        parked = s.finish_small(prep, out, t + cost + self._host_s() - host0)
-        for r in parked:
-            r.parked_step = s.stats.steps
-        return cost + self._host_s() - host0
-
-    def _run_large(self, t: float) -> tuple[float, list[Request]]:
-        s = self.sched
-        host0 = self._host_s()
-        try:
-            prep = s.schedule_large()
-        except WaitForMemory:
-            raise RuntimeError("event loop: memory held by a busy request") from None
-        if prep is None:
             return 0.0, []
         try:
             out, dt = prep.run()
@@ -662,10 +655,13 @@ class RoutedEngine:
             if not isinstance(e, Exception):
                 raise
             return 0.0, []
-        s.stats.large_forward_s += dt
-        cost = self._cost(LARGE, prep, dt)
-        back = s.finish_large(prep, out, t + cost + self._host_s() - host0)
-        return cost + self._host_s() - host0, back
+        if kind == SMALL:
+            s.stats.small_forward_s += dt
+        else:
+            s.stats.large_forward_s += dt
+        forward = self._cost(kind, prep, dt)
+        back = finish(prep, out, t + forward + self._host_s() - host0)
+        return forward + self._host_s() - host0, back  # the commit's bookkeeping included
 
 
 def _put_index(q: queue.SimpleQueue[int], i: int, _handle: RequestHandle) -> None:

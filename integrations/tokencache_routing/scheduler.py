@@ -297,8 +297,7 @@ class Scheduler:
             st.small_tokens += prep.num_tokens
             tok, escalate = route_step(self.router, out, prep.batch)
         except BaseException as e:
-            prep.discard()
-            self.fail(prep.batch, e)
+            self.abandon(prep, e)
             if not isinstance(e, Exception):
                 raise
             return []
@@ -321,11 +320,11 @@ class Scheduler:
         """Every parked request (barrier) or the next catch-up batch (hold-back applied)."""
         if not self.parked:
             return None
-        cap = len(self.parked) if self.barrier else self.cfg.max_large_batch or len(self.parked)
-        page = self.sides[LARGE].tree.page_size
         if self.barrier:
             batch, rest, held = list(self.parked), list[Request](), list[Request]()
         else:
+            cap = self.cfg.max_large_batch or len(self.parked)
+            page = self.sides[LARGE].tree.page_size
             cached = self._cached_len(LARGE)
             batch, rest, held = take_catchup_batch(self.parked, cap, LARGE, page, cached)
         self.parked = rest
@@ -348,8 +347,7 @@ class Scheduler:
             prep.commit()
             tokens = sample(out.logits, prep.batch).tolist()
         except BaseException as e:
-            prep.discard()
-            self.fail(prep.batch, e)
+            self.abandon(prep, e)
             if not isinstance(e, Exception):
                 raise
             return []
@@ -365,7 +363,8 @@ class Scheduler:
         return back
 
     def abandon(self, prep: PreparedForward, error: BaseException) -> None:
-        """A forward raised: its new slots go back and its requests fail."""
+        """A forward, its commit or its routing raised: new slots not yet committed go back and
+        the batch's requests fail (released)."""
         self._unbusy(prep.batch)
         prep.discard()
         self.fail(prep.batch, error)

@@ -9,8 +9,9 @@ without starlette or torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tokencache_extras import lazy_attributes
 
 if TYPE_CHECKING:
     from .app import ServerConfig, create_app
@@ -22,10 +23,4 @@ _HOMES = {"ServerConfig": ".app", "create_app": ".app", "APIError": ".errors"}
 __all__ = ["DEFAULT_MODEL_NAME", "APIError", "ServerConfig", "create_app"]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_attributes(__name__, _HOMES, globals())
