@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=32)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--unique-prompt", type=int, default=32)
-    p.add_argument("--min-large-batch", type=int, default=8)
-    p.add_argument("--max-wait", type=int, default=4)
+    p.add_argument("--min-large-batch", type=int, default=32)
+    p.add_argument("--max-wait", type=int, default=8)
+    p.add_argument("--min-occupancy", type=float, default=0.8)
     p.add_argument("--max-wait-ms", type=float, default=20.0)
     p.add_argument("--two-devices", action="store_true", help="large model on cuda:1")
     p.add_argument("--budget-s", type=float, default=300.0, help="start no run after this")
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.requests_per_slot, a.clock, a.profile = 4, "measured", "measured"
     a.small_shape, a.large_shape = a.small, a.large
+    a.topology = "two-devices" if a.two_devices else "one-device"
     if a.smoke:
         a.contexts, a.rates, a.max_running, a.requests_per_slot = [64], [0.2], 4, 2
         a.max_new, a.unique_prompt, a.min_large_batch = 6, 4, 2

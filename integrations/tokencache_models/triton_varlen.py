@@ -7,8 +7,14 @@ up to the block's causal limit with an online softmax, and writes its rows of th
 of a request with q_len new tokens and kv_len slots sits at slot-list index kv_len - q_len + j
 (bottom-right causal), so shared prefixes and catch-ups need nothing special.
 
-The grid comes from host-known numbers only (B, ceil(max_q_len / tokens per block), KVH): no host
-sync. Imported lazily, on CUDA or under TRITON_INTERPRET=1.
+Split-KV (flash-decoding): a catch-up batch (few requests, few new tokens, long contexts) makes a
+tiny grid whose programs each walk thousands of slots. Then each block's column range is cut
+into `splits` BLOCK_N-aligned chunks (folded into grid axis 1), each program writes a partial
+(unnormalised acc, max, sum) in fp32, and a small merge kernel combines them. Big grids (long
+prefills) keep one split and write the output directly, as before.
+
+The grid comes from host-known numbers only (B, ceil(max_q_len / tokens per block), KVH, the
+slot list's length): no host sync. Imported lazily, on CUDA or under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -17,6 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+# Programs to aim for: ~2 waves of a 132-SM GPU, as triton_decode.num_splits.
+SPLIT_TARGET = 264
+MAX_SPLITS = 32
+# A split shorter than this many BLOCK_N chunks (on average) costs more in partials and merge
+# than its extra parallelism saves.
+MIN_SPLIT_CHUNKS = 4
+
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
@@ -24,10 +37,14 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     K,
     V,
     Out,
+    Acc,
+    M,
+    L,
     Slots,
     QOff,
     KvOff,
     sm_scale,
+    splits,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -36,6 +53,11 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     stride_vh,
     stride_ot,
     stride_oh,
+    stride_at,
+    stride_ah,
+    stride_as,
+    stride_mt,
+    stride_mh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     ROWS: tl.constexpr,
@@ -44,9 +66,11 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    PARTIAL: tl.constexpr,  # write (acc, m, l) per split to Acc/M/L instead of Out
 ):
     b = tl.program_id(0)
-    mb = tl.program_id(1)
+    mb = tl.program_id(1) // splits
+    split = tl.program_id(1) % splits
     kvh = tl.program_id(2)
     q0 = tl.load(QOff + b)
     q_len = tl.load(QOff + b + 1) - q0
@@ -71,13 +95,17 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     # Columns this block needs: up to its last token's limit; none when it has no tokens.
     last_tok = tl.minimum(t0 + TOKENS, q_len) - 1
     hi = tl.where(t0 < q_len, kv_len - q_len + last_tok + 1, 0)
+    # This split's share of [0, hi), BLOCK_N-aligned; shares past hi are empty (m = -inf, l = 0).
+    per_split = tl.cdiv(tl.cdiv(hi, splits), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    end = tl.minimum(lo + per_split, hi)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, end, BLOCK_N):
         cols = n0 + offs_n
-        n_mask = cols < hi
+        n_mask = cols < end
         slot = tl.load(Slots + kv0 + cols, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
@@ -94,7 +122,8 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
         allowed = n_mask[None, :] & (cols[None, :] <= limit[:, None])
         qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # Rows with nothing allowed yet (padding rows) keep m = -inf; avoid -inf - -inf.
+        # Rows with nothing allowed yet (padding rows, rows whose causal limit lies before this
+        # split) keep m = -inf; avoid -inf - -inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(qk - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
@@ -111,12 +140,89 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + pv.to(tl.float32)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        Out + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=row_ok[:, None] & d_mask[None, :],
+    if PARTIAL:
+        row = (q0 + tok) * stride_mt + head * stride_mh + split
+        tl.store(
+            Acc
+            + (q0 + tok)[:, None] * stride_at
+            + head[:, None] * stride_ah
+            + split * stride_as
+            + offs_d[None, :],
+            acc,
+            mask=row_ok[:, None] & d_mask[None, :],
+        )
+        tl.store(M + row, m_i, mask=row_ok)
+        tl.store(L + row, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            Out + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+    Acc,
+    M,
+    L,
+    Out,
+    n_rows,
+    splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Rows are (token, head) pairs of contiguous Acc [R, splits, D], M / L [R, splits] and
+    # Out [R, D]; BLOCK_R rows per program keep the grid (and the interpreter) small.
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    rs_mask = (offs_r < n_rows)[:, None] & (offs_s < splits)[None, :]
+    d_mask = offs_d < HEAD_DIM
+    rs = offs_r.to(tl.int64)[:, None] * splits + offs_s[None, :]
+    m = tl.load(M + rs, mask=rs_mask, other=float("-inf"))
+    lse = tl.load(L + rs, mask=rs_mask, other=0.0)
+    acc = tl.load(
+        Acc + rs[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+        mask=rs_mask[:, :, None] & d_mask[None, None, :],
+        other=0.0,
     )
+    # Empty splits carry m = -inf and weigh zero; a row with no split at all stays finite.
+    m_max = tl.max(m, 1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_max[:, None])
+    denom = tl.sum(lse * w, 1)
+    out = tl.sum(acc * w[:, :, None], 1) / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(
+        Out + offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=(offs_r < n_rows)[:, None] & d_mask[None, :],
+    )
+
+
+def varlen_grid(
+    bsz: int,
+    max_q_len: int,
+    heads: int,
+    kv_heads: int,
+    kv_total: int,
+    rows: int = 64,
+    block_n: int = 64,
+) -> tuple[int, int, int, int]:
+    """(rows, tokens per block, m-blocks, splits) for a batch; host numbers only (kv_total is
+    the slot list's length, a shape). One split once the grid fills ~2 waves (long prefills)."""
+    group_pad = triton.next_power_of_2(heads // kv_heads)
+    rows = max(rows, 16, group_pad)  # tl.dot needs M >= 16; a block holds >= 1 token
+    tokens = rows // group_pad
+    m_blocks = triton.cdiv(max_q_len, tokens)
+    programs = max(1, bsz * m_blocks * kv_heads)
+    want = min(triton.cdiv(SPLIT_TARGET, programs), MAX_SPLITS)
+    avg_kv = kv_total // max(1, bsz)
+    splits = max(1, min(want, avg_kv // (MIN_SPLIT_CHUNKS * block_n)))
+    return rows, tokens, m_blocks, splits
 
 
 def paged_varlen(
@@ -130,30 +236,48 @@ def paged_varlen(
     max_q_len: int,
     rows: int = 64,
     block_n: int = 64,
+    *,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (request i's new tokens at q_offsets[i]:q_offsets[i+1]); k_cache/v_cache:
     [slots, KVH, D]; kv_slots / kv_offsets: each request's slot list, ending with its new tokens'
-    slots; max_q_len: host-known max of the q lengths (sets the grid). Returns [T, H, D]."""
+    slots; max_q_len: host-known max of the q lengths (sets the grid); splits: force the split-KV
+    count (None: varlen_grid's choice). Returns [T, H, D]."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    group_pad = triton.next_power_of_2(group)
-    rows = max(rows, 16, group_pad)  # tl.dot needs M >= 16; a block holds >= 1 token
+    bsz = q_offsets.numel() - 1
+    rows, tokens, m_blocks, auto = varlen_grid(
+        bsz, max_q_len, heads, kv_heads, kv_slots.numel(), rows, block_n
+    )
+    splits = auto if splits is None else max(1, splits)
     q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    out = torch.empty_like(q)
-    bsz = q_offsets.numel() - 1
-    tokens = rows // group_pad
-    grid = (bsz, triton.cdiv(max_q_len, tokens), kv_heads)
-    _paged_varlen_kernel[grid](
+    out = torch.empty_like(q)  # contiguous, as the merge kernel assumes
+    partial = splits > 1
+    if partial:
+        # Every real row is written by every split (empty ones write m = -inf, l = 0).
+        acc = torch.empty(
+            (q.shape[0], heads, splits, head_dim), device=q.device, dtype=torch.float32
+        )
+        m = torch.empty((q.shape[0], heads, splits), device=q.device, dtype=torch.float32)
+        lse = torch.empty_like(m)
+    else:
+        acc = m = lse = out  # unused (PARTIAL=False)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _paged_varlen_kernel[(bsz, m_blocks * splits, kv_heads)](
         q,
         k_cache,
         v_cache,
         out,
+        acc,
+        m,
+        lse,
         kv_slots,
         q_offsets,
         kv_offsets,
         scale,
+        splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -162,13 +286,35 @@ def paged_varlen(
         v_cache.stride(1),
         out.stride(0),
         out.stride(1),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        m.stride(0),
+        m.stride(1),
         GROUP=group,
-        GROUP_PAD=group_pad,
+        GROUP_PAD=triton.next_power_of_2(group),
         ROWS=rows,
         TOKENS=tokens,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32,
+        PARTIAL=partial,
     )
+    if partial and q.shape[0] > 0:
+        n_rows = q.shape[0] * heads
+        splits_pad = triton.next_power_of_2(splits)
+        block_r = max(1, 64 // splits_pad)  # a [BLOCK_R, SPLITS_PAD, BLOCK_D] tile
+        _merge_splits_kernel[(triton.cdiv(n_rows, block_r),)](
+            acc,
+            m,
+            lse,
+            out,
+            n_rows,
+            splits,
+            HEAD_DIM=head_dim,
+            BLOCK_R=block_r,
+            SPLITS_PAD=splits_pad,
+            BLOCK_D=block_d,
+        )
     return out

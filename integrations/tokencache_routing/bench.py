@@ -13,11 +13,13 @@ schedule is judged by GPU-shaped costs. "threaded" runs on wall time (its two wo
 overlap), so its rows are CPU measurements whatever the clock.
 
 Per (context, p, system): decode tokens/s, time to first token and per-token latency p50/p99
-(engine clock), small-model batch occupancy (batch / admitted requests), small steps, catch-up
-batches, bookkeeping share (tree and cursor time measured here, over the engine clock's time);
-bounds: the small model alone, the large model alone, and the ideal (small-alone time plus the
-tokencache run's large catch-up time). Markdown table on stdout,
-bench.json and bench.png (when matplotlib is installed) in --out.
+(engine clock), small-model batch occupancy (batch / min(max_running, admitted requests)),
+small steps, catch-up batches, bookkeeping share (tree and cursor time measured here, over the
+engine clock's time); bounds: the small model alone, the large model alone, the ideal
+(small-alone time plus the tokencache run's large catch-up time) and the ceiling (small-alone
+time plus the least the large model's tokens can cost: no one-device schedule beats it on the
+GPU clock). Markdown table on stdout, bench.json and bench.png (when matplotlib is installed)
+in --out.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 SYSTEMS = ("naive", "naive-sglang", "tokencache", "threaded")
 BOUNDS = ("small alone", "large alone")
+LIMITS = ("ceiling", "ideal")  # computed from the rows, not run
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Row:
     mean_catchup_batch: float
     bookkeeping_share: float  # tree and cursor time over the engine clock's time
     large_s: float = 0.0  # the large model's share of the clock (for the ideal)
+    large_floor_s: float = 0.0  # the least the large model's tokens cost (for the ceiling)
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -137,12 +141,21 @@ def run(
         min_large_batch=a.min_large_batch,
         max_wait_steps=a.max_wait,
         max_wait_s=a.max_wait_ms / 1e3,
+        min_occupancy=a.min_occupancy,
     )
     # The shared prompt once, each admitted request's own tokens, room for the cache to work.
     own = max(len(q) for q in prompts) - shared + max_new
     slots = shared + 2 * a.max_running * own + 1024
     eng = RoutedEngine(
-        small, large, router, slots, dispatch=dispatch, scheduler=sched, clock=clock, mode=mode
+        small,
+        large,
+        router,
+        slots,
+        dispatch=dispatch,
+        scheduler=sched,
+        clock=clock,
+        mode=mode,
+        topology=a.topology,
     )
     # Prime both trees with the shared system prompt (a server's steady state), then measure.
     eng.sched.router = ScriptedRouter(every=True)
@@ -162,6 +175,7 @@ def run(
     gpu = eng.gpu_clock
     pairs = zip(st.catchup_batch_sizes, st.catchup_tokens, strict=True)
     large_s = sum(gpu.forward_s(1, b, t, 0) for b, t in pairs) if gpu else st.large_forward_s
+    floor = gpu.floor_s(1, sum(st.catchup_tokens)) if gpu else 0.0  # no schedule pays less
     sizes = st.catchup_batch_sizes
     assert eng.idle_invariant(), f"{system}: engine not idle after the run"
     return Row(
@@ -182,6 +196,8 @@ def run(
         mean_catchup_batch=statistics.mean(sizes) if sizes else 0.0,
         bookkeeping_share=st.bookkeeping_s / seconds if seconds else 0.0,
         large_s=large_s,
+        large_floor_s=floor,
+        extra={"topology": eng.topology},
         wall_s=wall,
     )
 
@@ -211,17 +227,23 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def ideal(rows: list[Row], context: int, p: float) -> Row | None:
-    """Small-alone time plus the tokencache run's large catch-up time."""
+def ideal(rows: list[Row], context: int, p: float, kind: str = "ideal") -> Row | None:
+    """ideal: small-alone time plus the tokencache run's large catch-up time (this schedule's
+    catch-ups, nothing waiting). ceiling: small-alone time (full batches of max_running) plus
+    the least the large model's tokens can cost on the clock (GpuClock.floor_s): no schedule on
+    one device beats it, but for the bookkeeping measured on this CPU (GPU clock only)."""
     alone = next((r for r in rows if r.system == "small alone" and r.context == context), None)
     tc = next(
         (r for r in rows if r.system == "tokencache" and (r.context, r.p) == (context, p)), None
     )
-    if alone is None or tc is None:
+    if alone is None or tc is None or (kind == "ceiling" and not tc.large_floor_s):
         return None
-    seconds = alone.seconds + tc.large_s
+    large = tc.large_s if kind == "ideal" else tc.large_floor_s
+    # Two devices: the models run side by side, so the slower of the two bounds the run.
+    two = tc.extra.get("topology") == "two-devices"
+    seconds = max(alone.seconds, large) if two else alone.seconds + large
     nan = float("nan")
-    return Row(context, p, "ideal", tc.clock, tc.requests, tc.tokens, seconds,
+    return Row(context, p, kind, tc.clock, tc.requests, tc.tokens, seconds,
                tc.tokens / seconds, nan, nan, nan, 1.0, alone.small_steps, tc.catchups,
                tc.mean_catchup_batch, 0.0)  # fmt: skip
 
@@ -238,7 +260,7 @@ def plot(rows: list[Row], path: Path) -> bool:
     contexts = sorted({r.context for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts, strict=True):
-        for system in [*SYSTEMS, "ideal"]:
+        for system in [*SYSTEMS, *LIMITS]:
             pts = sorted(
                 (r.p, r.tokens_per_s) for r in rows if r.context == ctx and r.system == system
             )
@@ -271,11 +293,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests-per-slot", type=int, default=4, help="N = this x max_running")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--unique-prompt", type=int, default=32, help="each request's own tokens")
-    ap.add_argument("--min-large-batch", type=int, default=8)
-    ap.add_argument("--max-wait", type=int, default=4, help="max wait in small steps")
+    ap.add_argument("--min-large-batch", type=int, default=32)
+    ap.add_argument("--max-wait", type=int, default=8, help="max wait in small steps")
+    ap.add_argument("--min-occupancy", type=float, default=0.8, help="SchedulerConfig's")
     ap.add_argument("--max-wait-ms", type=float, default=5.0, help="threaded: max wait (ms)")
     ap.add_argument("--dispatches", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    ap.add_argument("--no-bounds", action="store_true", help="skip small/large alone and ideal")
+    ap.add_argument(
+        "--topology",
+        choices=["one-device", "two-devices"],
+        default="one-device",
+        help="event loop clock: catch-ups between small steps, or beside them on a second GPU",
+    )
+    ap.add_argument(
+        "--no-bounds", action="store_true", help="skip small/large alone, ideal and ceiling"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out/routing", help="folder for bench.json, bench.png")
@@ -322,16 +353,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not a.no_bounds:
         for ctx in a.contexts:
             for p in a.rates:
-                r = ideal(rows, ctx, p)
-                if r is not None:
-                    rows.append(r)
-    order = {s: i for i, s in enumerate([*BOUNDS, "ideal", *SYSTEMS])}
+                for kind in LIMITS:
+                    r = ideal(rows, ctx, p, kind)
+                    if r is not None:
+                        rows.append(r)
+    order = {s: i for i, s in enumerate([*BOUNDS, *LIMITS, *SYSTEMS])}
     rows.sort(key=lambda r: (r.context, r.p if r.system not in BOUNDS else -1, order[r.system]))
     clock = next((r.clock for r in rows if r.system not in (*BOUNDS, "threaded")), "wall")
     print(
         f"clock: {clock} + bookkeeping measured here; threaded rows: wall time on this CPU. "
         f"{n} requests, max_running {a.max_running}, {a.max_new} new tokens each, "
-        f"min_large_batch {a.min_large_batch}, max_wait {a.max_wait} steps\n"
+        f"min_large_batch {a.min_large_batch}, max_wait {a.max_wait} steps, "
+        f"min_occupancy {a.min_occupancy}, topology {a.topology}\n"
     )
     print(table(rows))
     out = Path(a.out)

@@ -55,6 +55,13 @@ class Linear:
     def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
         return self.a + self.b * batch + self.c * new_tokens + self.d * kv_tokens
 
+    def floor(self, tokens: int, decode: bool) -> float:
+        """The least a forward of `tokens` new tokens costs (coefficients >= 0, KV >= 0): a
+        decode forward has batch >= new tokens, any forward batch >= 1."""
+        if decode:
+            return self.a + (self.b + self.c) * tokens
+        return self.a + self.b + self.c * tokens
+
 
 @dataclass(frozen=True)
 class Roofline:
@@ -98,6 +105,25 @@ class ForwardCost:
             return self.multi(batch, new_tokens, kv_tokens)
         roof = Roofline.of(self.model)(batch, new_tokens, kv_tokens)
         return max(self.decode(batch, new_tokens, kv_tokens), roof)
+
+    def floor(self, total_tokens: int) -> float:
+        """No set of forwards writing total_tokens new tokens in all costs less.
+
+        Linear fits: each forward costs at least g(its tokens), g the smaller of the decode and
+        the multi-token fit's least cost (Linear.floor); g is concave with g(0) >= 0, so
+        subadditive, and the forwards cost at least g(total). Without a multi-token fit a
+        multi-token forward costs at least the decode fit. Rooflines: at least one weight read,
+        and every token's FLOPs."""
+        if total_tokens <= 0:
+            return 0.0
+        dec, multi = self.decode, self.multi or self.decode
+        if isinstance(dec, Linear) and isinstance(multi, Linear):
+            return min(dec.floor(total_tokens, True), multi.floor(total_tokens, False))
+        if isinstance(dec, Roofline) and isinstance(multi, Roofline):
+            weights = min(f.weight_bytes / f.bandwidth for f in (dec, multi))
+            flops = min(f.flops_per_token / f.peak_flops for f in (dec, multi))
+            return ROOFLINE_SLACK * max(weights, flops * total_tokens)
+        raise ValueError("floor: decode and multi-token fits of different kinds")
 
 
 def _fit_linear(pts: list[dict[str, Any]]) -> Linear:
@@ -167,6 +193,10 @@ class GpuClock:
 
     def forward_s(self, kind: int, batch: int, new_tokens: int, kv_tokens: int) -> float:
         return self.costs[kind](batch, new_tokens, kv_tokens)
+
+    def floor_s(self, kind: int, total_tokens: int) -> float:
+        """What no schedule of this model's forwards writing total_tokens in all undercuts."""
+        return self.costs[kind].floor(total_tokens)
 
     def describe(self) -> str:
         return f"gpu:{self.profile} ({self.small_name} small, {self.large_name} large)"

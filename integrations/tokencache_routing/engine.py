@@ -581,8 +581,7 @@ class RoutedEngine:
     def _serial_iteration(self) -> None:
         """One device: a catch-up runs between two small steps; its requests rejoin the next."""
         s, st = self.sched, self.sched.stats
-        wait = st.steps - s.parked[0].parked_step if s.parked else 0
-        if s.cfg.launch_large(len(s.parked), wait, bool(s.running)):
+        if self._large_due():
             d, back = self._run_large(self._t_small)
             if s.running:
                 st.small_idle_s += d
@@ -596,8 +595,7 @@ class RoutedEngine:
         """Two devices: a catch-up computed now rejoins when the large clock says it ended;
         meanwhile the small model keeps stepping the others."""
         s, st = self.sched, self.sched.stats
-        wait = st.steps - s.parked[0].parked_step if s.parked else 0
-        if not s.inflight and s.cfg.launch_large(len(s.parked), wait, bool(s.running)):
+        if not s.inflight and self._large_due():
             start = max(self._t_large, self._t_small)
             d, back = self._run_large(start)
             self._done_at = self._t_large = start + d
@@ -607,6 +605,13 @@ class RoutedEngine:
         elif s.inflight:  # nothing else to run: idle until the catch-up is back
             st.small_idle_s += self._done_at - self._t_small
             self._t_small = self._done_at
+
+    def _large_due(self) -> bool:
+        s = self.sched
+        waited_out = bool(s.parked) and (
+            s.stats.steps - s.parked[0].parked_step >= s.cfg.max_wait_steps
+        )
+        return s.cfg.launch_large(len(s.parked), waited_out, len(s.running), len(s.active()))
 
     def _cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
         if self.gpu_clock is not None:

@@ -39,15 +39,19 @@ def _check_int(name: str, v: object, lo: int) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_running: requests decoding on the small model at once (its batch target).
+    """max_running: requests decoding on the small model at once (its batch cap).
     max_parked: requests admitted beyond that while others wait for the large model (None: as
     many as max_running; 0: parked requests count against max_running), so a parked request's
     place in the small batch is filled instead of stepping a fragment.
     A catch-up batch for the large model launches once min_large_batch requests are parked, or
     the oldest has waited max_wait_steps small steps (max_wait_s seconds in the threaded
-    driver), or the small model has nothing else to run. The naive dispatchers ignore the delay:
-    a synchronous barrier sends every parked request each step. A first catch-up that shares a
-    prompt page with another in the same batch is held for the next batch, never longer."""
+    driver), or the small model has nothing else to run, or parked requests nobody replaced
+    leave the small batch below min_occupancy of what could run (min(max_running, admitted)):
+    while the queue refills their places, waiting for a bigger catch-up costs the small model
+    nothing; in a drained tail each parked request is a hole. The naive dispatchers ignore the
+    delay: a synchronous barrier sends every parked request each step. A first catch-up that
+    shares a prompt page with another in the same batch is held for the next batch, never
+    longer."""
 
     max_running: int = 32
     min_large_batch: int = 1
@@ -55,6 +59,7 @@ class SchedulerConfig:
     max_large_batch: int | None = None
     max_wait_s: float = 0.0
     max_parked: int | None = None
+    min_occupancy: float = 0.8
 
     def __post_init__(self) -> None:
         _check_int("max_running", self.max_running, 1)
@@ -67,20 +72,27 @@ class SchedulerConfig:
         w = self.max_wait_s
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"SchedulerConfig.max_wait_s must be a finite number >= 0, got {w!r}")
+        o = self.min_occupancy
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or not 0 <= o <= 1:
+            raise ValueError(f"SchedulerConfig.min_occupancy must be in [0, 1], got {o!r}")
 
     @property
     def max_admitted(self) -> int:
         parked = self.max_running if self.max_parked is None else self.max_parked
         return self.max_running + parked
 
-    def launch_large(self, num_parked: int, oldest_wait: float, small_has_work: bool) -> bool:
+    def launch_large(
+        self, num_parked: int, waited_out: bool, num_on_small: int, num_admitted: int
+    ) -> bool:
+        """Launch a catch-up now? num_on_small: requests the small model can step (ready or in
+        its running forward); num_admitted: admitted unfinished requests, parked included;
+        waited_out: the oldest parked request has waited its maximum."""
         if num_parked == 0:
             return False
-        return (
-            not small_has_work
-            or num_parked >= self.min_large_batch
-            or oldest_wait >= self.max_wait_steps
-        )
+        if num_on_small == 0 or num_parked >= self.min_large_batch or waited_out:
+            return True
+        could_run = min(self.max_running, num_admitted)
+        return num_on_small < self.min_occupancy * could_run
 
 
 class WaitForMemory(Exception):
@@ -198,6 +210,7 @@ class Scheduler:
             self.waiting.popleft()
             r.kv = [self.handle_cls(self.sides[SMALL]), self.handle_cls(self.sides[LARGE])]
             r.admit_order = self.admitted
+            r.last_small_step = self.stats.steps
             self.admitted += 1
             self.running.append(r)
 
@@ -270,19 +283,31 @@ class Scheduler:
     # ------------------------------------------------------------ small model
 
     def schedule_small(self) -> PreparedForward | None:
-        batch = [r for r in self.running if not r.busy]
+        """At most max_running ready requests, those that waited longest first: requests back
+        from a catch-up may find their places refilled, and then wait a step rather than
+        overfill the batch; nobody waits more than a few steps."""
+        ready = sorted(
+            (r for r in self.running if not r.busy),
+            key=lambda r: (r.last_small_step, r.admit_order),
+        )
+        batch = ready[: self.cfg.max_running]
+        for r in batch:
+            r.last_small_step = self.stats.steps
         if not batch:
             return None
-        self.running = [r for r in self.running if r not in batch]
+        chosen = {id(r) for r in batch}
+        self.running = [r for r in self.running if id(r) not in chosen]
         try:
             prep = self._prepare(batch, SMALL)
         except WaitForMemory:
             self.running += batch
             raise
-        running = len(self.active()) + (len(prep.batch) if prep else 0) - len(self.busy)
         if prep is not None:
+            # What could run: every admitted unfinished request (the batch is busy now), up to
+            # the batch target (a parked request whose place was refilled leaves no hole).
+            could_run = min(self.cfg.max_running, len(self.active()))
             self.stats.small_batch_sizes.append(len(prep.batch))
-            self.stats.small_batch_running.append(max(running, len(prep.batch)))
+            self.stats.small_batch_capacity.append(max(could_run, len(prep.batch)))
         return prep
 
     def finish_small(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:

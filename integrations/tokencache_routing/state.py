@@ -76,6 +76,7 @@ class Request:
         self.parked_at = 0.0  # engine clock (threaded driver: its wall clock)
         self.parked_step = 0  # small steps so far when parked (event loop)
         self.admit_order = -1
+        self.last_small_step = -1  # the small step that last ran it (or admitted it)
         self.held_catchup = False  # held out of a catch-up batch once: goes in the next one
         self.busy = False  # inside a forward that is running now (threaded driver)
         # delivery to the caller
@@ -218,7 +219,8 @@ class Stats:
     modeled_s: float = 0.0  # engine clock: measured, step units or the GPU cost model
     small_idle_s: float = 0.0  # engine clock time the small model waits for the large one
     small_batch_sizes: list[int] = field(default_factory=list)
-    small_batch_running: list[int] = field(default_factory=list)  # admitted, unfinished, per step
+    # Per small step: min(max_running, admitted unfinished requests), what could have run.
+    small_batch_capacity: list[int] = field(default_factory=list)
     catchup_batch_sizes: list[int] = field(default_factory=list)
     catchup_tokens: list[int] = field(default_factory=list)  # tokens prefilled per catch-up
 
@@ -233,10 +235,12 @@ class Stats:
 
     @property
     def small_batch_occupancy(self) -> float:
-        """Mean over small steps of (batch size / admitted unfinished requests)."""
+        """Mean over small steps of batch size / min(max_running, admitted unfinished requests):
+        1.0 when every step runs all it could; parked requests whose places were refilled from
+        the queue leave no hole, a straggler tail or a fragmented batch does."""
         pairs = [
             b / r
-            for b, r in zip(self.small_batch_sizes, self.small_batch_running, strict=True)
+            for b, r in zip(self.small_batch_sizes, self.small_batch_capacity, strict=True)
             if r
         ]
         return sum(pairs) / len(pairs) if pairs else 0.0

@@ -4,8 +4,9 @@ Each worker takes the scheduler's lock to schedule a batch (admission, make-room
 and to commit its results, and runs its forward outside the lock, so the two models overlap:
 tokencache releases the GIL in bulk calls and torch releases it in its ops. A request inside a
 forward is busy: the other worker neither preempts nor touches it. The large worker launches a
-catch-up once min_large_batch requests are parked, the oldest has waited max_wait_s, or the
-small model has nothing to run; returning requests join the small model's very next step.
+catch-up when SchedulerConfig.launch_large says so (a batch big enough, the oldest waited
+max_wait_s, holes in the small batch, or nothing else to run); returning requests join the small
+model's very next step.
 
 Memory: make-room evicts, then preempts the newest idle request; when only the other worker's
 busy requests could free memory, the worker waits for that forward to end.
@@ -35,7 +36,6 @@ class ThreadedDriver:
         self.sched = eng.sched
         self.cv = threading.Condition(self.sched.lock)
         self.stop = False
-        self.small_busy = False  # a small forward is running
         # One GPU: the large model's forwards go on a second CUDA stream so the two models'
         # kernels can overlap (on two devices each has its own default stream anyway).
         self.streams: list[Any] = [None, None]
@@ -130,15 +130,16 @@ class ThreadedDriver:
                         break
                     self.cv.wait(_POLL_S)
                     continue
-                self.small_busy = True
                 res = self._run(prep, 0)
-                self.small_busy = False
                 if res is not None:
                     out, dt = res
                     s.stats.small_forward_s += dt
                     now = eng.now()
                     for r in s.finish_small(prep, out, now):  # type: ignore[arg-type]
                         r.parked_at = now
+                    # Refill parked places before the large worker looks for holes.
+                    eng.intake()
+                    s.admit()
                 self._publish_stats()
                 self._notify()
             self.stop = True
@@ -162,12 +163,10 @@ class ThreadedDriver:
                     self.cv.wait(_POLL_S)
                     continue
                 waited = eng.now() - s.parked[0].parked_at
-                small_has_work = bool(s.running) or self.small_busy
-                if not (
-                    not small_has_work
-                    or len(s.parked) >= cfg.min_large_batch
-                    or waited >= cfg.max_wait_s
-                ):
+                # No catch-up is in flight here, so every busy request is in the small forward.
+                on_small = len(s.running) + len(s.busy)
+                waited_out = waited >= cfg.max_wait_s
+                if not cfg.launch_large(len(s.parked), waited_out, on_small, len(s.active())):
                     self.cv.wait(min(_POLL_S, max(cfg.max_wait_s - waited, 1e-4)))
                     continue
                 try:

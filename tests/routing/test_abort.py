@@ -134,12 +134,13 @@ class _SignalRouter(ScriptedRouter):
 
 
 def test_threaded_abort_queued_at_large_worker(pair: Any) -> None:
-    # The large worker waits for 100 parked requests or 100 s while the small one is busy; the
-    # others' long generations give the consumer thread ample time to abort before that.
+    # The large worker waits for 100 parked requests or 100 s while the small one is busy (and
+    # ignores the hole the parked request leaves); the others' long generations give the
+    # consumer thread ample time to abort before that.
     NEW = 300
     router = _SignalRouter({0: [2]})
     prompts = make_prompts(4, seed=54, shared=4)
-    sched = SchedulerConfig(min_large_batch=100, max_wait_s=100.0)
+    sched = SchedulerConfig(min_large_batch=100, max_wait_s=100.0, min_occupancy=0.0)
     eng = RoutedEngine(*pair, router, 512, scheduler=sched, mode="threaded")
     res = consume(eng, prompts, NEW, lambda e, t: 0 if router.parked.is_set() else None)
     assert eng.stats.catchup_batch_sizes == []  # aborted before the large model ever ran

@@ -20,7 +20,9 @@ def test_bench_runs_on_the_gpu_clock(
     assert f"clock: gpu:{profile}" in out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     systems = {r.split("|")[3].strip() for r in rows[1:]}
-    assert systems == {"small alone", "large alone", "ideal", "naive", "tokencache", "threaded"}
+    assert systems == {
+        *("small alone", "large alone", "ceiling", "ideal", "naive", "tokencache", "threaded")
+    }
     data = json.loads((tmp_path / "bench.json").read_text())
     by = {r["system"]: r for r in data["rows"]}
     n = 2 * 4  # --quick: 2 x max_running requests of 8 new tokens
@@ -29,3 +31,7 @@ def test_bench_runs_on_the_gpu_clock(
         assert by[name]["tokens_per_s"] > 0
     assert by["threaded"]["clock"] == "wall (this CPU)"
     assert 0 < by["tokencache"]["occupancy"] <= 1
+    # The ceiling bounds every one-device schedule on the clock, the ideal included.
+    ceiling = by["ceiling"]["tokens_per_s"]
+    assert by["ideal"]["tokens_per_s"] <= ceiling
+    assert by["tokencache"]["tokens_per_s"] <= ceiling and by["naive"]["tokens_per_s"] <= ceiling

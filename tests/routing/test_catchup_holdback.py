@@ -31,9 +31,12 @@ def test_shared_prompt_prefilled_once_on_large(pair: Any, mode: str, page_size: 
     n, shared, at = 6, 24, 3
     prompts = shared_prompts(n, shared, seed=40)
     # Every request escalates once, at the same position: their first catch-ups meet in one
-    # batch (launched when all are parked: the small model then has nothing to run).
+    # batch (launched when all are parked: the small model then has nothing to run; the holes
+    # the first parked ones leave do not launch anything).
     router = ScriptedRouter({i: [at] for i in range(n)})
-    sched = SchedulerConfig(max_running=8, min_large_batch=n, max_wait_steps=100, max_wait_s=30.0)
+    sched = SchedulerConfig(
+        max_running=8, min_large_batch=n, max_wait_steps=100, max_wait_s=30.0, min_occupancy=0
+    )
     _, res = check(
         pair,
         router,

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from routing_helpers import make_prompts
 from test_exactness import bernoulli_decide
 
@@ -92,3 +94,28 @@ def test_gpu_clock_prices_without_changing_tokens(pair: Any, topology: str) -> N
     if topology == "one-device":  # serial: small steps and catch-ups add up
         assert st.modeled_s >= st.steps * 0.02 + len(st.catchup_batch_sizes) * 0.02
     assert eng.idle_invariant()
+
+
+@pytest.mark.parametrize("profile", ["h200-2026-11-30", "h200-roofline"])
+@settings(max_examples=200, deadline=None)
+@given(
+    forwards=st.lists(
+        st.tuples(
+            st.integers(1, 64),  # batch
+            st.integers(1, 40),  # new tokens per request
+            st.integers(0, 2_000_000),  # KV tokens read
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_floor_bounds_every_schedule(profile: str, forwards: list[tuple[int, int, int]]) -> None:
+    """However a model's tokens are cut into forwards (decode or multi-token), their costs add
+    up to at least floor_s of the total: the bench's ceiling is a real bound."""
+    clock = GpuClock(profile=profile)
+    total = sum(b * t for b, t, _ in forwards)
+    for kind in (SMALL, LARGE):
+        paid = sum(clock.forward_s(kind, b, b * t, kv) for b, t, kv in forwards)
+        floor = clock.floor_s(kind, total)
+        assert 0 < floor <= paid * (1 + 1e-12)
+        assert floor <= clock.forward_s(kind, 1, total, 0) * (1 + 1e-12)

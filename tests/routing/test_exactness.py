@@ -104,7 +104,8 @@ def test_escalate_everything_is_large_greedy(pair: Any, dispatch: str) -> None:
 def test_shared_prefix_waves_and_delayed_batching(pair: Any, dispatch: str) -> None:
     router = BernoulliRouter(0.3, seed=5)
     prompts = make_prompts(9, seed=5, shared=24, lo=1, hi=6)
-    sched = SchedulerConfig(max_running=4, min_large_batch=3, max_wait_steps=3)
+    # min_occupancy=0: catch-ups wait for their batch or their time, whatever the holes.
+    sched = SchedulerConfig(max_running=4, min_large_batch=3, max_wait_steps=3, min_occupancy=0)
     eng, res = check(
         pair,
         router,
@@ -197,7 +198,7 @@ def test_slow_large_model_no_barrier(pair: Any, cost: float, num_slots: int) -> 
     the returning requests rejoin later, and tokens stay exact (also under memory pressure)."""
     router = BernoulliRouter(0.25, seed=13)
     prompts = make_prompts(6, seed=13, shared=6, lo=3, hi=8)
-    sched = SchedulerConfig(max_running=6, min_large_batch=2, max_wait_steps=2)
+    sched = SchedulerConfig(max_running=6, min_large_batch=2, max_wait_steps=2, min_occupancy=0)
     kw = {"num_slots": num_slots, "scheduler": sched, "large_step_cost": cost}
     kw["topology"] = "two-devices"
     _, fast = check(pair, router, bernoulli_decide(router), prompts, 14, **kw)
