@@ -554,7 +554,13 @@ class RoutedEngine:
         if s.inflight and self._done_at <= self._t_small:
             s.running += s.inflight
             s.inflight = []
+        first = s.admitted
         s.admit()
+        # A request is submitted at now() = the later of the two models' clocks; the small
+        # model cannot start it earlier (else an idle small clock lags and runs for free).
+        for r in s.running:
+            if r.admit_order >= first:
+                self._t_small = max(self._t_small, r.submitted_at)
         if not s.has_work():
             return False
         if s.barrier:

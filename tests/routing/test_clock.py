@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from routing_helpers import make_prompts
 from test_exactness import bernoulli_decide
 
-from tokencache_routing import BernoulliRouter, GpuClock, RoutedEngine, reference_generate
+from tokencache_routing import (
+    BernoulliRouter,
+    GpuClock,
+    RoutedEngine,
+    ScriptedRouter,
+    reference_generate,
+)
 from tokencache_routing.clock import DATA, Roofline
 
 SMALL, LARGE = 0, 1
@@ -119,3 +125,22 @@ def test_floor_bounds_every_schedule(profile: str, forwards: list[tuple[int, int
         floor = clock.floor_s(kind, total)
         assert 0 < floor <= paid * (1 + 1e-12)
         assert floor <= clock.forward_s(kind, 1, total, 0) * (1 + 1e-12)
+
+
+def test_two_devices_small_model_starts_no_request_before_its_submission(pair: Any) -> None:
+    """After a catch-up leaves the large clock ahead, a request submitted at now() (the later
+    clock) costs the small model its full steps after that instant: an idle small clock does
+    not run it in the past."""
+    small, large = pair
+    router = ScriptedRouter({0: [0]})  # route_key 0 escalates its first token, others never
+    eng = RoutedEngine(
+        small, large, router, 512, large_step_cost=50.0, topology="two-devices", clock="steps"
+    )
+    eng.submit([1, 2, 3], 1, route_key=0).wait()
+    assert eng._t_large > eng._t_small  # the catch-up left the large clock ahead
+    t0 = eng.now()
+    h = eng.submit([4, 5, 6], 6, route_key=1)
+    h.wait()
+    # Six small steps (a prefill and five decodes), each costing 1 on the step clock.
+    assert h.token_times[0] >= t0 + 1
+    assert eng.now() - t0 >= 6
