@@ -63,6 +63,15 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     e.add_argument("--min-large-batch", type=int, default=1, help="catch-up batch trigger")
     e.add_argument("--max-wait-steps", type=int, default=0, help="catch-up delay (small steps)")
     e.add_argument(
+        "--max-wait-ms", type=float, default=0.0, help="catch-up delay (threaded mode, ms)"
+    )
+    e.add_argument(
+        "--min-occupancy",
+        type=float,
+        default=0.8,
+        help="launch a catch-up before parked requests leave the small batch below this share",
+    )
+    e.add_argument(
         "--mode",
         default="events",
         choices=["events", "threaded"],
@@ -113,6 +122,14 @@ def build_app(a: argparse.Namespace) -> Starlette:
     from .app import ServerConfig, create_app
     from .loading import load_models, parse_router
 
+    # Refuse a bad schedule before minutes of model loading.
+    scheduler = SchedulerConfig(
+        max_running=a.max_running,
+        min_large_batch=a.min_large_batch,
+        max_wait_steps=a.max_wait_steps,
+        max_wait_s=a.max_wait_ms / 1e3,
+        min_occupancy=a.min_occupancy,
+    )
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
     models = load_models(
@@ -125,11 +142,7 @@ def build_app(a: argparse.Namespace) -> Starlette:
         parse_router(a.router, models.small),
         num_slots=a.num_slots,
         large_num_slots=a.large_num_slots,
-        scheduler=SchedulerConfig(
-            max_running=a.max_running,
-            min_large_batch=a.min_large_batch,
-            max_wait_steps=a.max_wait_steps,
-        ),
+        scheduler=scheduler,
         tokenizer=models.tokenizer,
         eos_token_id=models.tokenizer.eos_token_id,
         mode=a.mode,

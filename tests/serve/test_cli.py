@@ -50,3 +50,5 @@ def test_bad_arguments_fail_clearly(capsys: pytest.CaptureFixture[str]) -> None:
     assert "no/such/model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--mode", "warp"])
+    assert main(["serve", "--min-occupancy", "1.5"]) == 2  # refused before any model loads
+    assert "min_occupancy must be in [0, 1]" in capsys.readouterr().err
