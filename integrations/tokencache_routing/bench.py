@@ -133,7 +133,11 @@ def run(
         )
     elif system == "threaded":
         dispatch, mode = "tokencache", "threaded"
-    clock: Any = GpuClock(*names, profile=a.profile) if a.clock == "gpu" else "measured"
+    clock: Any = "measured"
+    if a.clock == "gpu" and a.profile.endswith(".json"):  # fresh GPU measurements, refitted
+        clock = GpuClock.fit(a.profile, *names)
+    elif a.clock == "gpu":
+        clock = GpuClock(*names, profile=a.profile)
     if mode == "threaded":
         clock = "measured"
     sched = SchedulerConfig(
@@ -284,7 +288,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (seconds)")
     ap.add_argument("--clock", choices=["gpu", "measured"], default="gpu")
-    ap.add_argument("--profile", default="h200-2026-11-30", help="GpuClock profile")
+    ap.add_argument(
+        "--profile",
+        default="h200-2026-11-30",
+        help="GpuClock profile, or a JSON of GPU measurements to fit (data/*.json's rows, or a "
+        "benches/gpu/results/ file that decode_step.py wrote)",
+    )
     ap.add_argument("--small-shape", default="qwen3-0.6b", help="model shape the clock prices")
     ap.add_argument("--large-shape", default="qwen3-8b")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])

@@ -147,6 +147,30 @@ def _fit_linear(pts: list[dict[str, Any]]) -> Linear:
     return Linear(*(float(v) for v in best[1]))
 
 
+def rows_from_decode_step(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """decode_step.py's rows in the fit's format: per shape the fastest path (the runner uses
+    CUDA graphs where a decode bucket fits, eager otherwise), new_tokens as the forward's total
+    (decode_step gives a catch-up's tokens per request); skipped and failed rows left out."""
+    best: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in result["rows"]:
+        if "step_ms" not in r:
+            continue
+        total = r["batch"] * r.get("new_tokens", 1)
+        key = (r["model"], r["batch"], total, r["context"])
+        if key not in best or r["step_ms"] < best[key]["step_ms"]:
+            best[key] = {
+                "model": r["model"],
+                "path": "auto",
+                "kind": r["kind"],
+                "batch": r["batch"],
+                "new_tokens": total,
+                "context": r["context"],
+                "step_ms": r["step_ms"],
+                "source": f"decode_step.py, path {r['path']}",
+            }
+    return list(best.values())
+
+
 def _fit(rows: list[dict[str, Any]], model: str) -> ForwardCost:
     mine = [r for r in rows if r["model"] == model and r.get("path", "torch") in ("torch", "auto")]
     decode = [r for r in mine if r["new_tokens"] <= r["batch"]]
@@ -184,10 +208,12 @@ class GpuClock:
 
     @classmethod
     def fit(cls, path: str | Path, small: str, large: str) -> GpuClock:
-        """A clock fitted to another measurements file (same row format as data/*.json)."""
+        """A clock fitted to another measurements file: data/*.json's row format, or what
+        benches/gpu/decode_step.py writes (its runs under benches/gpu/results/)."""
         clock = cls.__new__(cls)
         clock.small_name, clock.large_name, clock.profile = small, large, str(path)
-        rows = json.loads(Path(path).read_text())["rows"]
+        data = json.loads(Path(path).read_text())
+        rows = rows_from_decode_step(data) if "checks" in data else data["rows"]
         clock.costs = (_fit(rows, small), _fit(rows, large))
         return clock
 

@@ -43,6 +43,11 @@ def test_smoke_run_writes_every_row_and_passes_its_checks(tmp_path: Path) -> Non
     graphs_check = result["checks"][0]
     assert graphs_check["ok"] and graphs_check["greedy_tokens_identical"]
     assert graphs_check["max_abs_logit_diff"] <= 1e-4
+    # The routing engine's GPU clock refits from this very file (as a GPU session would).
+    from tokencache_routing import GpuClock
+
+    clock = GpuClock.fit(out, "smoke", "smoke")
+    assert clock.forward_s(0, 4, 4, 4 * 40) > 0 and clock.forward_s(1, 2, 6, 80) > 0
 
 
 def test_catchup_spec_and_refusal_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:

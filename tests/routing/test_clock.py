@@ -144,3 +144,34 @@ def test_two_devices_small_model_starts_no_request_before_its_submission(pair: A
     # Six small steps (a prefill and five decodes), each costing 1 on the step clock.
     assert h.token_times[0] >= t0 + 1
     assert eng.now() - t0 >= 6
+
+
+def test_fit_reads_what_the_gpu_decode_bench_writes(tmp_path: Path) -> None:
+    """A GPU session's benches/gpu/results/ JSON refits the clock directly: the fastest path
+    per shape, a catch-up's tokens as the forward's total, skipped rows left out."""
+    a, b, d = 0.002, 1e-5, 2e-9  # decode: a + b*batch + d*kv
+    c = 4e-5  # catch-up: per token, plus d*kv
+    rows: list[dict[str, Any]] = []
+    for model, scale in (("qwen3-0.6b", 1.0), ("qwen3-8b", 3.0)):
+        for batch in (1, 4, 16, 64):
+            t = scale * (a + b * batch + d * batch * 2048)
+            rows.append({"model": model, "kind": "decode", "path": "graphs", "batch": batch,
+                         "context": 2048, "step_ms": 1e3 * t})  # fmt: skip
+            rows.append({"model": model, "kind": "decode", "path": "eager", "batch": batch,
+                         "context": 2048, "step_ms": 1e3 * (t + 0.02)})  # fmt: skip
+        for k, per, ctx in ((2, 8, 2048), (10, 10, 8192), (4, 50, 1024), (8, 3, 4096)):
+            t = scale * (c * k * per + d * k * ctx)
+            rows.append({"model": model, "kind": "catch-up", "path": "eager", "batch": k,
+                         "new_tokens": per, "context": ctx, "step_ms": 1e3 * t})  # fmt: skip
+        rows.append({"model": model, "kind": "decode", "path": "torch", "batch": 256,
+                     "context": 2048, "skipped": "time budget"})  # fmt: skip
+    path = tmp_path / "nvidia-h200-2026-12-02.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "rows": rows, "checks": []}))
+    clock = GpuClock.fit(path, "qwen3-0.6b", "qwen3-8b")
+    # Decode priced at the graphs rows (not eager's +20 ms), catch-ups per total token.
+    assert clock.forward_s(SMALL, 32, 32, 32 * 2048) == pytest.approx(
+        a + b * 32 + d * 32 * 2048, rel=1e-6
+    )
+    assert clock.forward_s(LARGE, 6, 60, 6 * 3000) == pytest.approx(
+        3 * (c * 60 + d * 6 * 3000), rel=1e-6
+    )
