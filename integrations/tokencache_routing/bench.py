@@ -234,8 +234,9 @@ def table(rows: list[Row]) -> str:
 def ideal(rows: list[Row], context: int, p: float, kind: str = "ideal") -> Row | None:
     """ideal: small-alone time plus the tokencache run's large catch-up time (this schedule's
     catch-ups, nothing waiting). ceiling: small-alone time (full batches of max_running) plus
-    the least the large model's tokens can cost on the clock (GpuClock.floor_s): no schedule on
-    one device beats it, but for the bookkeeping measured on this CPU (GPU clock only)."""
+    the least the large model's tokens in this run can cost on the clock (GpuClock.floor_s): no
+    one-device schedule computing those tokens beats it, but for the bookkeeping measured on
+    this CPU (GPU clock only)."""
     alone = next((r for r in rows if r.system == "small alone" and r.context == context), None)
     tc = next(
         (r for r in rows if r.system == "tokencache" and (r.context, r.p) == (context, p)), None

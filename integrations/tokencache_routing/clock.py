@@ -213,6 +213,11 @@ class GpuClock:
         clock = cls.__new__(cls)
         clock.small_name, clock.large_name, clock.profile = small, large, str(path)
         data = json.loads(Path(path).read_text())
+        if "rows" not in data or any("system" in r for r in data["rows"][:1]):
+            raise ValueError(
+                f"{path}: not forward measurements (data/*.json rows or decode_step.py's "
+                "JSON; a routing_step.py result holds serving runs, not forward costs)"
+            )
         rows = rows_from_decode_step(data) if "checks" in data else data["rows"]
         clock.costs = (_fit(rows, small), _fit(rows, large))
         return clock

@@ -551,16 +551,15 @@ class RoutedEngine:
         s = self.sched
         self.intake()
         s.apply_aborts()
-        if s.inflight and self._done_at <= self._t_small:
-            s.running += s.inflight
-            s.inflight = []
-        first = s.admitted
-        s.admit()
-        # A request is submitted at now() = the later of the two models' clocks; the small
-        # model cannot start it earlier (else an idle small clock lags and runs for free).
-        for r in s.running:
-            if r.admit_order >= first:
-                self._t_small = max(self._t_small, r.submitted_at)
+        self._rejoin()
+        # A request is submitted at now(), the later of the two models' clocks (two devices:
+        # the large one may be ahead); the small model starts none before its submission.
+        s.admit(not_after=self._t_small)
+        if s.waiting and not s.running and not s.busy:
+            # Nothing to step until the next request arrives: the small model waits for it.
+            self._t_small = max(self._t_small, s.waiting[0].submitted_at)
+            self._rejoin()
+            s.admit(not_after=self._t_small)
         if not s.has_work():
             return False
         if s.barrier:
@@ -572,6 +571,13 @@ class RoutedEngine:
         s.stats.bookkeeping_s = sum(side.bookkeeping_s for side in self.sides)
         s.stats.modeled_s = self.now()
         return True
+
+    def _rejoin(self) -> None:
+        """Two devices: a catch-up's requests rejoin once the small clock reaches its end."""
+        s = self.sched
+        if s.inflight and self._done_at <= self._t_small:
+            s.running += s.inflight
+            s.inflight = []
 
     def _barrier_iteration(self) -> None:
         s, st = self.sched, self.sched.stats

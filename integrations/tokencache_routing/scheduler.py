@@ -191,7 +191,9 @@ class Scheduler:
 
     # ------------------------------------------------------------ admission and memory
 
-    def admit(self) -> None:
+    def admit(self, not_after: float | None = None) -> None:
+        """Waiting requests in order while there is room; not_after: the event loop's small
+        clock, which admits no request submitted later."""
         cfg = self.cfg
         if self.admit_blocked and self.active():
             return
@@ -202,6 +204,8 @@ class Scheduler:
             if small_side >= cfg.max_running or len(self.active()) >= cfg.max_admitted:
                 return
             r = self.waiting[0]
+            if not_after is not None and r.submitted_at > not_after:
+                return
             if self.holdback and overlaps_prefill(
                 r, self.running, SMALL, small_page, self._cached_len(SMALL)
             ):
@@ -291,8 +295,6 @@ class Scheduler:
             key=lambda r: (r.last_small_step, r.admit_order),
         )
         batch = ready[: self.cfg.max_running]
-        for r in batch:
-            r.last_small_step = self.stats.steps
         if not batch:
             return None
         chosen = {id(r) for r in batch}
@@ -303,6 +305,8 @@ class Scheduler:
             self.running += batch
             raise
         if prep is not None:
+            for r in prep.batch:  # after a memory wait they keep their turn
+                r.last_small_step = self.stats.steps
             # What could run: every admitted unfinished request (the batch is busy now), up to
             # the batch target (a parked request whose place was refilled leaves no hole).
             could_run = min(self.cfg.max_running, len(self.active()))

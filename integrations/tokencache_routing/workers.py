@@ -6,7 +6,7 @@ tokencache releases the GIL in bulk calls and torch releases it in its ops. A re
 forward is busy: the other worker neither preempts nor touches it. The large worker launches a
 catch-up when SchedulerConfig.launch_large says so (a batch big enough, the oldest waited
 max_wait_s, holes in the small batch, or nothing else to run); returning requests join the small
-model's very next step.
+model's next step (or the one after, when the queue refilled their places meanwhile).
 
 Memory: make-room evicts, then preempts the newest idle request; when only the other worker's
 busy requests could free memory, the worker waits for that forward to end.

@@ -175,3 +175,27 @@ def test_fit_reads_what_the_gpu_decode_bench_writes(tmp_path: Path) -> None:
     assert clock.forward_s(LARGE, 6, 60, 6 * 3000) == pytest.approx(
         3 * (c * 60 + d * 6 * 3000), rel=1e-6
     )
+
+
+def test_two_devices_late_submission_does_not_stall_the_running_batch(pair: Any) -> None:
+    """A request submitted while a catch-up is in flight is stamped with the large model's
+    later clock; it waits for the small clock to get there, and the requests already decoding
+    keep stepping meanwhile (no jump of the small clock over their steps)."""
+    small, large = pair
+    router = ScriptedRouter({0: [0]})
+    eng = RoutedEngine(
+        small, large, router, 512, large_step_cost=50.0, topology="two-devices", clock="steps"
+    )
+    a = eng.submit([1, 2, 3], 2, route_key=0)
+    b = eng.submit([4, 5, 6], 80, route_key=1)
+    while not eng.sched.inflight:
+        assert eng.iterate()
+    c = eng.submit([7, 8, 9], 3, route_key=2)
+    assert c.submitted_at > eng._t_small + 40  # stamped at the large clock, far ahead
+    while eng.iterate():
+        pass
+    gaps = [y - x for x, y in zip(b.token_times, b.token_times[1:], strict=False)]
+    assert max(gaps) <= 1.0 + 1e-9  # b never waited for c's admission
+    assert c.token_times[0] >= c.submitted_at + 1
+    assert a.finished_reason == b.finished_reason == c.finished_reason == "length"
+    assert eng.idle_invariant()
