@@ -68,13 +68,13 @@ def test_holes_launch_catchups_and_keep_the_batch_full(pair: Any) -> None:
     assert len(unguarded.catchup_batch_sizes) < len(guarded.catchup_batch_sizes)
 
 
-@pytest.mark.parametrize("mode", ["events", "threaded"])
-@pytest.mark.parametrize("dispatch", ["tokencache", "naive"])
+# The threaded driver runs the tokencache dispatch only.
+@pytest.mark.parametrize(
+    "mode,dispatch", [("events", "tokencache"), ("events", "naive"), ("threaded", "tokencache")]
+)
 def test_small_batch_never_exceeds_max_running(pair: Any, mode: str, dispatch: str) -> None:
     """Requests back from a catch-up whose places were refilled wait a step instead of
     overfilling the batch (max_parked admits beyond max_running while others are parked)."""
-    if mode == "threaded" and dispatch == "naive":
-        pytest.skip("the threaded driver runs the tokencache dispatch only")
     router = BernoulliRouter(0.3, seed=29)
     prompts = make_prompts(14, seed=29, shared=4, lo=2, hi=6)
     sched = SchedulerConfig(max_running=4, max_parked=4, min_large_batch=3, max_wait_steps=2)
