@@ -2,7 +2,7 @@
 
 Each program handles one (request, kv_head, split): it loads the GQA group's queries once, walks
 its share of the request's slot list in BLOCK_N chunks (gathering K/V rows by slot id) with an
-online softmax, and writes a partial (acc, max, sum). A short torch reduction merges the splits,
+online softmax, and writes a partial (acc, max, sum). One merge launch combines the splits,
 so a batch of one still spreads a long context over many SMs (flash-decoding).
 
 Importing this module needs triton; it is imported lazily and only on CUDA (or under
@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .triton_splitkv import attend_block, merge_splits
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -73,35 +75,10 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     for n0 in range(lo, hi, BLOCK_N):
         idx = n0 + offs_n
         n_mask = idx < hi
-        slot = tl.load(Slots + idx, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        # fp32 caches ask for IEEE dots: the default tf32 would break fp32 exactness.
-        if IEEE:  # noqa: SIM108 (plain if on a constexpr is the safest form in triton)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk.to(tl.float32) * sm_scale  # [GROUP_PAD, BLOCK_N]
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if IEEE:  # noqa: SIM108
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv.to(tl.float32)
-        m_i = m_new
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, K, V, Slots, idx, n_mask, n_mask[None, :], kvh, offs_d, d_mask,
+            sm_scale, stride_ks, stride_kh, stride_vs, stride_vh, IEEE,
+        )  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     tl.store(
@@ -173,8 +150,6 @@ def paged_decode(
         BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32,
     )
-    # Merge the splits; empty splits carry m = -inf and weigh zero.
-    m_max = m.amax(dim=-1, keepdim=True)
-    w = torch.exp(m - m_max)
-    out = (acc * w[..., None]).sum(dim=2) / (lse * w).sum(dim=-1)[..., None]
-    return out.to(q.dtype)
+    out = torch.empty_like(q)
+    merge_splits(acc, m, lse, out)
+    return out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_splitkv import attend_block, merge_splits
+
 # Programs to aim for: ~2 waves of a 132-SM GPU, as triton_decode.num_splits.
 SPLIT_TARGET = 264
 MAX_SPLITS = 32
@@ -106,39 +108,11 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     for n0 in range(lo, end, BLOCK_N):
         cols = n0 + offs_n
         n_mask = cols < end
-        slot = tl.load(Slots + kv0 + cols, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        # fp32 caches ask for IEEE dots: the default tf32 would break fp32 exactness.
-        if IEEE:  # noqa: SIM108 (plain if on a constexpr is the safest form in triton)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk.to(tl.float32) * sm_scale
         allowed = n_mask[None, :] & (cols[None, :] <= limit[:, None])
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # Rows with nothing allowed yet (padding rows, rows whose causal limit lies before this
-        # split) keep m = -inf; avoid -inf - -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if IEEE:  # noqa: SIM108
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv.to(tl.float32)
-        m_i = m_new
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, K, V, Slots + kv0, cols, n_mask, allowed, kvh, offs_d, d_mask,
+            sm_scale, stride_ks, stride_kh, stride_vs, stride_vh, IEEE,
+        )  # fmt: skip
 
     if PARTIAL:
         row = (q0 + tok) * stride_mt + head * stride_mh + split
@@ -160,47 +134,6 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
             out.to(Out.dtype.element_ty),
             mask=row_ok[:, None] & d_mask[None, :],
         )
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _merge_splits_kernel(  # type: ignore[no-untyped-def]
-    Acc,
-    M,
-    L,
-    Out,
-    n_rows,
-    splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # Rows are (token, head) pairs of contiguous Acc [R, splits, D], M / L [R, splits] and
-    # Out [R, D]; BLOCK_R rows per program keep the grid (and the interpreter) small.
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    rs_mask = (offs_r < n_rows)[:, None] & (offs_s < splits)[None, :]
-    d_mask = offs_d < HEAD_DIM
-    rs = offs_r.to(tl.int64)[:, None] * splits + offs_s[None, :]
-    m = tl.load(M + rs, mask=rs_mask, other=float("-inf"))
-    lse = tl.load(L + rs, mask=rs_mask, other=0.0)
-    acc = tl.load(
-        Acc + rs[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-        mask=rs_mask[:, :, None] & d_mask[None, None, :],
-        other=0.0,
-    )
-    # Empty splits carry m = -inf and weigh zero; a row with no split at all stays finite.
-    m_max = tl.max(m, 1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp(m - m_max[:, None])
-    denom = tl.sum(lse * w, 1)
-    out = tl.sum(acc * w[:, :, None], 1) / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(
-        Out + offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=(offs_r < n_rows)[:, None] & d_mask[None, :],
-    )
 
 
 def varlen_grid(
@@ -301,20 +234,6 @@ def paged_varlen(
         IEEE=k_cache.dtype == torch.float32,
         PARTIAL=partial,
     )
-    if partial and q.shape[0] > 0:
-        n_rows = q.shape[0] * heads
-        splits_pad = triton.next_power_of_2(splits)
-        block_r = max(1, 64 // splits_pad)  # a [BLOCK_R, SPLITS_PAD, BLOCK_D] tile
-        _merge_splits_kernel[(triton.cdiv(n_rows, block_r),)](
-            acc,
-            m,
-            lse,
-            out,
-            n_rows,
-            splits,
-            HEAD_DIM=head_dim,
-            BLOCK_R=block_r,
-            SPLITS_PAD=splits_pad,
-            BLOCK_D=block_d,
-        )
+    if partial:
+        merge_splits(acc, m, lse, out)
     return out

@@ -231,7 +231,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def ideal(rows: list[Row], context: int, p: float, kind: str = "ideal") -> Row | None:
+def limit_row(rows: list[Row], context: int, p: float, kind: str) -> Row | None:
     """ideal: small-alone time plus the tokencache run's large catch-up time (this schedule's
     catch-ups, nothing waiting). ceiling: small-alone time (full batches of max_running) plus
     the least the large model's tokens in this run can cost on the clock (GpuClock.floor_s): no
@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for ctx in a.contexts:
             for p in a.rates:
                 for kind in LIMITS:
-                    r = ideal(rows, ctx, p, kind)
+                    r = limit_row(rows, ctx, p, kind)
                     if r is not None:
                         rows.append(r)
     order = {s: i for i, s in enumerate([*BOUNDS, *LIMITS, *SYSTEMS])}
