@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_splitkv import attend_block, merge_splits
+from .triton_splitkv import attend_block, kv_block, merge_splits
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -106,10 +106,11 @@ def paged_decode(
     kv_slots: torch.Tensor,
     kv_offsets: torch.Tensor,
     scale: float,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (last dim contiguous); kv_slots: flat slot
-    lists; kv_offsets: [B + 1] (int32 or int64) on q's device. Returns [B, H, D] in q's dtype.
+    lists; kv_offsets: [B + 1] (int32 or int64) on q's device; block_n: None for kv_block's
+    choice. Returns [B, H, D] in q's dtype.
     Launch parameters come from shapes only: no host sync, graph-capturable."""
     bsz, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -147,7 +148,7 @@ def paged_decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=block_n,
+        BLOCK_N=block_n or kv_block(k_cache.dtype),
         IEEE=k_cache.dtype == torch.float32,
     )
     out = torch.empty_like(q)

@@ -11,6 +11,13 @@ import triton
 import triton.language as tl
 
 
+def kv_block(dtype: torch.dtype) -> int:
+    """K/V slots per online-softmax step (BLOCK_N) for a cache dtype. fp32 caches take IEEE
+    dots, whose 64-wide tiles spill on sm_90 (up to 255 registers and 0.8-17 KB of local memory
+    per thread, benches/gpu/compile_check.py); 32-wide ones do not."""
+    return 64 if dtype.itemsize <= 2 else 32
+
+
 @triton.jit  # type: ignore[untyped-decorator]
 def attend_block(  # type: ignore[no-untyped-def]
     acc,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_splitkv import attend_block, merge_splits
+from .triton_splitkv import attend_block, kv_block, merge_splits
 
 # Programs to aim for: ~2 waves of a 132-SM GPU, as triton_decode.num_splits.
 SPLIT_TARGET = 264
@@ -167,19 +167,22 @@ def paged_varlen(
     kv_offsets: torch.Tensor,
     scale: float,
     max_q_len: int,
-    rows: int = 64,
-    block_n: int = 64,
+    rows: int | None = None,
+    block_n: int | None = None,
     *,
     splits: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (request i's new tokens at q_offsets[i]:q_offsets[i+1]); k_cache/v_cache:
     [slots, KVH, D]; kv_slots / kv_offsets: each request's slot list, ending with its new tokens'
-    slots; max_q_len: host-known max of the q lengths (sets the grid); splits: force the split-KV
-    count (None: varlen_grid's choice). Returns [T, H, D]."""
+    slots; max_q_len: host-known max of the q lengths (sets the grid); rows / block_n: the tile
+    (None: 64 x 64, or 32 x 32 for fp32 caches, whose IEEE dots spill at 64 x 64); splits: force the
+    split-KV count (None: varlen_grid's choice). Returns [T, H, D]."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     bsz = q_offsets.numel() - 1
+    block_n = block_n or kv_block(k_cache.dtype)
+    rows = rows or (64 if k_cache.dtype.itemsize <= 2 else 32)
     rows, tokens, m_blocks, auto = varlen_grid(
         bsz, max_q_len, heads, kv_heads, kv_slots.numel(), rows, block_n
     )
