@@ -146,10 +146,11 @@ def run(
         max_wait_steps=a.max_wait,
         max_wait_s=a.max_wait_ms / 1e3,
         min_occupancy=a.min_occupancy,
+        max_parked=a.max_parked,
     )
     # The shared prompt once, each admitted request's own tokens, room for the cache to work.
     own = max(len(q) for q in prompts) - shared + max_new
-    slots = shared + 2 * a.max_running * own + 1024
+    slots = shared + sched.max_admitted * own + 1024
     eng = RoutedEngine(
         small,
         large,
@@ -306,6 +307,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--min-large-batch", type=int, default=32)
     ap.add_argument("--max-wait", type=int, default=8, help="max wait in small steps")
     ap.add_argument("--min-occupancy", type=float, default=0.8, help="SchedulerConfig's")
+    ap.add_argument(
+        "--max-parked", type=int, default=None, help="SchedulerConfig's (default: max-running)"
+    )
     ap.add_argument("--max-wait-ms", type=float, default=5.0, help="threaded: max wait (ms)")
     ap.add_argument("--dispatches", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument(

@@ -43,14 +43,16 @@ class SchedulerConfig:
     max_parked: requests admitted beyond that while others wait for the large model (None: as
     many as max_running; 0: parked requests count against max_running), so a parked request's
     place in the small batch is filled instead of stepping a fragment.
-    A catch-up batch for the large model launches once min_large_batch requests are parked, or
-    the oldest has waited max_wait_steps small steps (max_wait_s seconds in the threaded
-    driver), or the small model has nothing else to run, or parked requests nobody replaced
-    leave the small batch below min_occupancy of what could run (min(max_running, admitted)):
-    while the queue refills their places, waiting for a bigger catch-up costs the small model
-    nothing; in a drained tail each parked request is a hole. The naive dispatchers ignore the
-    delay: a synchronous barrier sends every parked request each step. A first catch-up that
-    shares a prompt page with another in the same batch is held for the next batch, never
+    On one device (a catch-up stalls the small model), a catch-up launches once
+    min_large_batch requests are parked, or the oldest has waited max_wait_steps small steps
+    (max_wait_s seconds in the threaded driver), or the small model has nothing else to run,
+    or parked requests nobody replaced leave the small batch below min_occupancy of what could
+    run (min(max_running, admitted)): while the queue refills their places, waiting for a
+    bigger catch-up costs the small model nothing; in a drained tail each parked request is a
+    hole. With the large model on its own device, a catch-up launches whenever that device is
+    idle and anything is parked (those three knobs do not apply). The naive dispatchers ignore
+    the delay: a synchronous barrier sends every parked request each step. A first catch-up
+    that shares a prompt page with another in the same batch is held for the next batch, never
     longer."""
 
     max_running: int = 32
@@ -82,14 +84,24 @@ class SchedulerConfig:
         return self.max_running + parked
 
     def launch_large(
-        self, num_parked: int, waited_out: bool, num_on_small: int, num_admitted: int
+        self,
+        num_parked: int,
+        waited_out: bool,
+        num_on_small: int,
+        num_admitted: int,
+        own_device: bool = False,
     ) -> bool:
-        """Launch a catch-up now? num_on_small: requests the small model can step (ready or in
-        its running forward); num_admitted: admitted unfinished requests, parked included;
-        waited_out: the oldest parked request has waited its maximum."""
+        """Launch a catch-up now (the large model is idle)? num_on_small: requests holding a
+        place in the small batch (Scheduler.num_on_small); num_admitted: admitted unfinished
+        requests, parked included; waited_out: the oldest parked request has waited its
+        maximum; own_device: the large model runs on a device of its own, so a catch-up
+        stalls nobody and waiting for a bigger one only delays it (an idle large device
+        is free; while it is busy, parked requests gather into the next batch anyway)."""
         if num_parked == 0:
             return False
-        if num_on_small == 0 or num_parked >= self.min_large_batch or waited_out:
+        if own_device or num_on_small == 0:
+            return True
+        if num_parked >= self.min_large_batch or waited_out:
             return True
         could_run = min(self.max_running, num_admitted)
         return num_on_small < self.min_occupancy * could_run
@@ -134,6 +146,13 @@ class Scheduler:
 
     def active(self) -> list[Request]:
         return self.running + self.parked + self.inflight + self.busy
+
+    def num_on_small(self) -> int:
+        """Requests holding a place in the small model's batch: ready to step or inside its
+        forward. Parked ones and those in a catch-up (inflight, or busy in the large forward)
+        hold none: admission refills their places up to max_admitted, and on their return the
+        batch cap (schedule_small) keeps the batch at max_running."""
+        return len(self.running) + sum(1 for r in self.busy if r.busy_model == SMALL)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.parked or self.inflight or self.busy)
@@ -200,8 +219,7 @@ class Scheduler:
         self.admit_blocked = False
         small_page = self.sides[SMALL].tree.page_size
         while self.waiting:
-            small_side = len(self.running) + len(self.inflight) + len(self.busy)
-            if small_side >= cfg.max_running or len(self.active()) >= cfg.max_admitted:
+            if self.num_on_small() >= cfg.max_running or len(self.active()) >= cfg.max_admitted:
                 return
             r = self.waiting[0]
             if not_after is not None and r.submitted_at > not_after:
@@ -280,7 +298,7 @@ class Scheduler:
             self.fail(batch, e)
             return None
         for r in batch:
-            r.busy = True
+            r.busy, r.busy_model = True, kind
         self.busy += batch
         return prep
 
@@ -400,7 +418,7 @@ class Scheduler:
 
     def _unbusy(self, batch: Sequence[Request]) -> None:
         for r in batch:
-            r.busy = False
+            r.busy, r.busy_model = False, -1
             if r in self.busy:
                 self.busy.remove(r)
 

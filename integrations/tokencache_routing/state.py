@@ -79,6 +79,7 @@ class Request:
         self.last_small_step = -1  # the small step that last ran it (or admitted it)
         self.held_catchup = False  # held out of a catch-up batch once: goes in the next one
         self.busy = False  # inside a forward that is running now (threaded driver)
+        self.busy_model = -1  # SMALL or LARGE while busy: whose forward it is in
         # delivery to the caller
         self.cond = threading.Condition()
         self.tokens: list[int] = []

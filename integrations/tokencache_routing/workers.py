@@ -163,10 +163,14 @@ class ThreadedDriver:
                     self.cv.wait(_POLL_S)
                     continue
                 waited = eng.now() - s.parked[0].parked_at
-                # No catch-up is in flight here, so every busy request is in the small forward.
-                on_small = len(s.running) + len(s.busy)
                 waited_out = waited >= cfg.max_wait_s
-                if not cfg.launch_large(len(s.parked), waited_out, on_small, len(s.active())):
+                if not cfg.launch_large(
+                    len(s.parked),
+                    waited_out,
+                    s.num_on_small(),
+                    len(s.active()),
+                    own_device=eng.topology == "two-devices",
+                ):
                     self.cv.wait(min(_POLL_S, max(cfg.max_wait_s - waited, 1e-4)))
                     continue
                 try:

@@ -8,7 +8,7 @@ import pytest
 from routing_helpers import make_prompts
 from test_exactness import bernoulli_decide, check
 
-from tokencache_routing import BernoulliRouter
+from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter
 from tokencache_routing.scheduler import SchedulerConfig
 
 
@@ -29,6 +29,41 @@ def test_launch_rules() -> None:
     assert launch(2, False, 4, 6)  # 4/6 = 67%
     off = SchedulerConfig(max_running=8, min_large_batch=4, max_wait_steps=3, min_occupancy=0)
     assert not off.launch_large(3, False, 1, 4)
+    # The large model on its own device: a catch-up stalls nobody, so one parked request goes.
+    assert launch(1, False, 8, 9, own_device=True)
+    assert not launch(0, True, 0, 0, own_device=True)
+
+
+def test_two_devices_refill_the_places_of_requests_in_a_catchup(pair: Any) -> None:
+    """Two devices: a request inside a catch-up holds no place in the small batch (its place
+    is refilled, as a parked one's is), and the catch-up launches at the first parked request
+    whatever min_large_batch says (the large device is idle)."""
+    small, large = pair
+    router = ScriptedRouter({0: [0]})  # route_key 0 escalates its first token
+    sched = SchedulerConfig(
+        max_running=2, max_parked=2, min_large_batch=100, max_wait_steps=100, min_occupancy=0
+    )
+    eng = RoutedEngine(
+        small, large, router, 512, scheduler=sched, large_step_cost=50.0,
+        topology="two-devices", clock="steps",
+    )  # fmt: skip
+    a = eng.submit([1, 2, 3], 4, route_key=0)
+    b = eng.submit([4, 5, 6], 2, route_key=1)  # finishes while a's catch-up is in flight
+    c = eng.submit([7, 8, 9], 30, route_key=2)
+    d = eng.submit([2, 4, 6], 30, route_key=3)
+    while not eng.sched.inflight:
+        assert eng.iterate()
+    assert [r.rid for r in eng.sched.inflight] == [a.rid]
+    assert len(eng.sched.stats.catchup_batch_sizes) == 1  # launched with one parked request
+    while eng.iterate():
+        pass
+    # b finished at step 2 and d took its place at once, while a's catch-up (50 steps) was in
+    # flight (counting a's place as taken kept d out until c finished, at step 31).
+    assert b.token_times[-1] <= 2
+    assert d.token_times[0] <= b.token_times[-1] + 1
+    assert 50 <= a.token_times[0] < 60
+    assert all(h.finished_reason == "length" for h in (a, b, c, d))
+    assert eng.idle_invariant()
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.9", float("nan")])
