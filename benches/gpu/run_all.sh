@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks, for a session that is lent the device machine (one H200, no network). Bring
-# the built wheel along (carry: .whl, see README.md), then ONE device call (timeout_s 590):
+# The GPU checks, for a session that is lent the device machine (one H200, no network). Here:
+# bash benches/gpu/prepare_carry.sh; then ONE device call, carry [".whl"], timeout_s 590:
+# bash benches/gpu/device.sh all (installs the wheels, then this script), or, with the wheels
+# installed already:
 #   bash benches/gpu/run_all.sh all       # both below, shorter budgets, at most ~9.5 minutes
 # A session's device time is short (15 minutes, a start included) and an idle machine goes back
 # within a minute, so one call that does everything beats two. Or one part per call:
