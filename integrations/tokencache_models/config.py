@@ -117,8 +117,44 @@ QWEN3_0_6B = _qwen3(layers=28, hidden=1024, inter=3072, heads=16, tie=True)
 QWEN3_8B = _qwen3(layers=36, hidden=4096, inter=12288, heads=32, tie=False)
 QWEN3_32B = _qwen3(layers=64, hidden=5120, inter=25600, heads=64, tie=False)
 
+
+def _llama3(
+    layers: int, hidden: int, inter: int, head_dim: int, factor: float, tie: bool
+) -> ModelConfig:
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=500_000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=tie,
+        max_position_embeddings=131072,
+        eos_token_id=128001,
+    )
+
+
+# Llama 3.2 1B and 3.1 8B share a tokenizer: a routing pair whose small model's KV per token
+# (16 layers x 8 x 64: 32 KiB in bf16) is a quarter of the large one's, where Qwen3-0.6B's
+# (112 KiB) is nearly Qwen3-8B's (144 KiB).
+LLAMA_3_2_1B = _llama3(layers=16, hidden=2048, inter=8192, head_dim=64, factor=32.0, tie=True)
+LLAMA_3_1_8B = _llama3(layers=32, hidden=4096, inter=14336, head_dim=128, factor=8.0, tie=False)
+
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": QWEN3_0_6B,
     "qwen3-8b": QWEN3_8B,
     "qwen3-32b": QWEN3_32B,
+    "llama-3.2-1b": LLAMA_3_2_1B,
+    "llama-3.1-8b": LLAMA_3_1_8B,
 }

@@ -178,10 +178,14 @@ def run(
     times = [h.token_times for h in handles]
     gaps = [b - a_ for ts in times for a_, b in itertools.pairwise(ts)]
     gpu = eng.gpu_clock
-    pairs = zip(st.catchup_batch_sizes, st.catchup_tokens, strict=True)
-    large_s = sum(gpu.forward_s(1, b, t, 0) for b, t in pairs) if gpu else st.large_forward_s
-    floor = gpu.floor_s(1, sum(st.catchup_tokens)) if gpu else 0.0  # no schedule pays less
-    sizes = st.catchup_batch_sizes
+    # The catch-ups priced as the clock priced them; and the least any schedule pays for the
+    # large model's tokens: each escalation is one forward of that request over its whole
+    # context (the next token is the small model's), so every schedule of this router's
+    # decisions reads at least the KV these catch-ups read.
+    sizes, toks, kvs = st.catchup_batch_sizes, st.catchup_tokens, st.catchup_kv_tokens
+    triples = zip(sizes, toks, kvs, strict=True)
+    large_s = sum(gpu.forward_s(1, b, t, kv) for b, t, kv in triples) if gpu else st.large_forward_s
+    floor = gpu.floor_s(1, sum(toks), sum(kvs)) if gpu else 0.0
     assert eng.idle_invariant(), f"{system}: engine not idle after the run"
     return Row(
         context=len(prompts[0]) + max_new,

@@ -56,7 +56,7 @@ class Linear:
         return self.a + self.b * batch + self.c * new_tokens + self.d * kv_tokens
 
     def floor(self, tokens: int, decode: bool) -> float:
-        """The least a forward of `tokens` new tokens costs (coefficients >= 0, KV >= 0): a
+        """The least a forward of `tokens` new tokens and no KV costs (coefficients >= 0): a
         decode forward has batch >= new tokens, any forward batch >= 1."""
         if decode:
             return self.a + (self.b + self.c) * tokens
@@ -106,23 +106,30 @@ class ForwardCost:
         roof = Roofline.of(self.model)(batch, new_tokens, kv_tokens)
         return max(self.decode(batch, new_tokens, kv_tokens), roof)
 
-    def floor(self, total_tokens: int) -> float:
-        """No set of forwards writing total_tokens new tokens in all costs less.
+    def floor(self, total_tokens: int, total_kv_tokens: int = 0) -> float:
+        """No set of forwards writing total_tokens new tokens and reading total_kv_tokens KV
+        slots in all costs less.
 
-        Linear fits: each forward costs at least g(its tokens), g the smaller of the decode and
-        the multi-token fit's least cost (Linear.floor); g is concave with g(0) >= 0, so
-        subadditive, and the forwards cost at least g(total). Without a multi-token fit a
-        multi-token forward costs at least the decode fit. Rooflines: at least one weight read,
-        and every token's FLOPs."""
+        Linear fits: each forward costs at least g(its tokens) plus the smaller KV coefficient
+        times its KV, g the smaller of the decode and the multi-token fit's least cost
+        (Linear.floor); g is concave with g(0) >= 0, so subadditive, and the forwards cost at
+        least g(total) + d * total KV. Without a multi-token fit a multi-token forward costs at
+        least the decode fit. Rooflines: each forward costs at least its bytes and at least its
+        FLOPs, so all of them at least one weight read plus every KV byte, and every token's
+        FLOPs."""
         if total_tokens <= 0:
             return 0.0
         dec, multi = self.decode, self.multi or self.decode
         if isinstance(dec, Linear) and isinstance(multi, Linear):
-            return min(dec.floor(total_tokens, True), multi.floor(total_tokens, False))
+            kv = min(dec.d, multi.d) * total_kv_tokens
+            return min(dec.floor(total_tokens, True), multi.floor(total_tokens, False)) + kv
         if isinstance(dec, Roofline) and isinstance(multi, Roofline):
-            weights = min(f.weight_bytes / f.bandwidth for f in (dec, multi))
+            mem = min(
+                (f.weight_bytes + f.kv_bytes_per_token * total_kv_tokens) / f.bandwidth
+                for f in (dec, multi)
+            )
             flops = min(f.flops_per_token / f.peak_flops for f in (dec, multi))
-            return ROOFLINE_SLACK * max(weights, flops * total_tokens)
+            return ROOFLINE_SLACK * max(mem, flops * total_tokens)
         raise ValueError("floor: decode and multi-token fits of different kinds")
 
 
@@ -225,9 +232,10 @@ class GpuClock:
     def forward_s(self, kind: int, batch: int, new_tokens: int, kv_tokens: int) -> float:
         return self.costs[kind](batch, new_tokens, kv_tokens)
 
-    def floor_s(self, kind: int, total_tokens: int) -> float:
-        """What no schedule of this model's forwards writing total_tokens in all undercuts."""
-        return self.costs[kind].floor(total_tokens)
+    def floor_s(self, kind: int, total_tokens: int, total_kv_tokens: int = 0) -> float:
+        """What no schedule of this model's forwards writing total_tokens and reading
+        total_kv_tokens KV slots in all undercuts."""
+        return self.costs[kind].floor(total_tokens, total_kv_tokens)
 
     def describe(self) -> str:
         return f"gpu:{self.profile} ({self.small_name} small, {self.large_name} large)"

@@ -400,6 +400,7 @@ class Scheduler:
             return []
         st.catchup_batch_sizes.append(len(prep.batch))
         st.catchup_tokens.append(prep.num_tokens)
+        st.catchup_kv_tokens.append(int(prep.kv_lens.sum()))
         back: list[Request] = []
         for r, t in zip(prep.batch, tokens, strict=True):
             if r.finished_reason is not None:

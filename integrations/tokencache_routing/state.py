@@ -224,6 +224,7 @@ class Stats:
     small_batch_capacity: list[int] = field(default_factory=list)
     catchup_batch_sizes: list[int] = field(default_factory=list)
     catchup_tokens: list[int] = field(default_factory=list)  # tokens prefilled per catch-up
+    catchup_kv_tokens: list[int] = field(default_factory=list)  # KV slots read per catch-up
 
     @property
     def bookkeeping_share(self) -> float:

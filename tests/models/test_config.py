@@ -57,4 +57,20 @@ def test_presets_have_qwen3_shapes() -> None:
     assert (
         PRESETS["qwen3-0.6b"].tie_word_embeddings and not PRESETS["qwen3-32b"].tie_word_embeddings
     )
-    assert all(c.qk_norm and c.head_dim == 128 for c in PRESETS.values())
+    qwen3 = [c for name, c in PRESETS.items() if name.startswith("qwen3")]
+    assert len(qwen3) == 3 and all(c.qk_norm and c.head_dim == 128 for c in qwen3)
+
+
+@pytest.mark.parametrize(
+    "name,params", [("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248)]
+)
+def test_llama3_presets_have_the_published_parameter_counts(name: str, params: int) -> None:
+    """Built on the meta device (no memory): every matrix and the embedding tie are right."""
+    from tokencache_models import CausalLM
+
+    config = PRESETS[name]
+    with torch.device("meta"):
+        model = CausalLM(config, "torch")
+    model.tie_weights()
+    assert sum(p.numel() for p in model.parameters()) == params  # shared tensors counted once
+    assert not config.qk_norm and config.rope_scaling is not None

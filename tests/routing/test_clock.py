@@ -116,15 +116,18 @@ def test_gpu_clock_prices_without_changing_tokens(pair: Any, topology: str) -> N
     )
 )
 def test_floor_bounds_every_schedule(profile: str, forwards: list[tuple[int, int, int]]) -> None:
-    """However a model's tokens are cut into forwards (decode or multi-token), their costs add
-    up to at least floor_s of the total: the bench's ceiling is a real bound."""
+    """However a model's tokens and KV reads are cut into forwards (decode or multi-token),
+    their costs add up to at least floor_s of the totals: the bench's ceiling is a real bound.
+    The KV term matters: the floor with the KV read grows with it, and stays below what the
+    forwards paid."""
     clock = GpuClock(profile=profile)
     total = sum(b * t for b, t, _ in forwards)
+    total_kv = sum(kv for _, _, kv in forwards)
     for kind in (SMALL, LARGE):
         paid = sum(clock.forward_s(kind, b, b * t, kv) for b, t, kv in forwards)
-        floor = clock.floor_s(kind, total)
-        assert 0 < floor <= paid * (1 + 1e-12)
-        assert floor <= clock.forward_s(kind, 1, total, 0) * (1 + 1e-12)
+        floor = clock.floor_s(kind, total, total_kv)
+        assert 0 < clock.floor_s(kind, total) <= floor <= paid * (1 + 1e-12)
+        assert floor <= clock.forward_s(kind, 1, total, total_kv) * (1 + 1e-12)
 
 
 def test_two_devices_small_model_starts_no_request_before_its_submission(pair: Any) -> None:
