@@ -13,8 +13,10 @@ import triton.language as tl
 
 def kv_block(dtype: torch.dtype) -> int:
     """K/V slots per online-softmax step (BLOCK_N) for a cache dtype. fp32 caches take IEEE
-    dots, whose 64-wide tiles spill on sm_90 (up to 255 registers and 0.8-17 KB of local memory
-    per thread, benches/gpu/compile_check.py); 32-wide ones do not."""
+    dots, which at 64-wide tiles spill on sm_90 (benches/gpu/compile_check.py: the varlen
+    kernel ~9 KB of local memory per thread with triton 3.9, 16-17 KB with 3.6, where decode
+    also needs 255 registers and 0.8 KB); at 32, nothing with 3.9, 0.75 KB (varlen split-KV)
+    with 3.6."""
     return 64 if dtype.itemsize <= 2 else 32
 
 

@@ -182,7 +182,7 @@ def paged_varlen(
     group = heads // kv_heads
     bsz = q_offsets.numel() - 1
     block_n = block_n or kv_block(k_cache.dtype)
-    rows = rows or (64 if k_cache.dtype.itemsize <= 2 else 32)
+    rows = rows or kv_block(k_cache.dtype)  # the same rule: 64, or 32 for fp32's IEEE dots
     rows, tokens, m_blocks, auto = varlen_grid(
         bsz, max_q_len, heads, kv_heads, kv_slots.numel(), rows, block_n
     )

@@ -4,9 +4,11 @@ Each worker takes the scheduler's lock to schedule a batch (admission, make-room
 and to commit its results, and runs its forward outside the lock, so the two models overlap:
 tokencache releases the GIL in bulk calls and torch releases it in its ops. A request inside a
 forward is busy: the other worker neither preempts nor touches it. The large worker launches a
-catch-up when SchedulerConfig.launch_large says so (a batch big enough, the oldest waited
-max_wait_s, holes in the small batch, or nothing else to run); returning requests join the small
-model's next step (or the one after, when the queue refilled their places meanwhile).
+catch-up when SchedulerConfig.launch_large says so: with the models on one device, a batch big
+enough, the oldest waited max_wait_s, holes in the small batch, or nothing else to run; with
+each model on its own device, whenever anything is parked. A request inside a catch-up holds no
+place in the small batch (admission refills it); back, it joins the small model's next step,
+longest-waiting first, and the batch cap makes the most recently stepped requests wait instead.
 
 Memory: make-room evicts, then preempts the newest idle request; when only the other worker's
 busy requests could free memory, the worker waits for that forward to end.
@@ -40,7 +42,9 @@ class ThreadedDriver:
         # kernels can overlap (on two devices each has its own default stream anyway).
         self.streams: list[Any] = [None, None]
         large_dev = eng.large.model.device
-        if large_dev.type == "cuda" and large_dev == eng.small.model.device:
+        # The real placement, not the event loop's clock topology.
+        self.own_device = large_dev != eng.small.model.device
+        if large_dev.type == "cuda" and not self.own_device:
             self.streams[1] = torch.cuda.Stream(device=large_dev)  # type: ignore[no-untyped-call]
         self.threads = [
             threading.Thread(target=self._guard, args=(self._small,), name="tokencache-small"),
@@ -169,7 +173,7 @@ class ThreadedDriver:
                     waited_out,
                     s.num_on_small(),
                     len(s.active()),
-                    own_device=eng.topology == "two-devices",
+                    own_device=self.own_device,
                 ):
                     self.cv.wait(min(_POLL_S, max(cfg.max_wait_s - waited, 1e-4)))
                     continue

@@ -6,7 +6,9 @@ on a CPU-only host :mod:`tokencache_sglang.stubs` serves an inert stand-in first
 stubbed where the real package loads). Where torch sees a GPU, sglang's modules import its CUDA
 kernels (``sgl_kernel``) at module level; the caches use none of them, and a GPU machine that
 carries sglang installed with --no-deps has none, so there the import runs with
-``torch.cuda.is_available`` answering False (as the H200 run of 2026-11-30 did). Call
+``torch.cuda.is_available`` answering False (as the H200 run of 2026-11-30 did). Process-wide
+while it lasts (imports are not thread-safe anyway), and what sglang caches from it stays
+(``is_cuda()``, modules' ``_is_cuda``): RadixCache does not use those. Call
 :func:`import_sglang` before any ``from sglang ...`` import; it is cheap after the first call.
 """
 
