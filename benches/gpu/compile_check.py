@@ -5,7 +5,8 @@ The runner's forwards run on the CPU with Triton told that the current device is
 architecture (default sm_90, the H200) and every launch turned into a warm-up: Triton binds and
 specialises the real arguments exactly as at a launch, compiles, and launches nothing (kernel
 outputs stay uninitialised; only shapes drive the host code). Shapes are the real attention and
-hidden shapes of Qwen3-0.6B and Qwen3-8B (one layer, small vocab), in bf16 (the benchmarks) and
+hidden shapes of Qwen3-0.6B, Qwen3-8B and Llama 3.2 1B (head_dim 64, no q/k norm; one layer, a
+small vocab), in bf16 (the benchmarks) and
 fp32 (decode_step.py's exactness check), over decode batches 1..64 (every split-KV merge width),
 catch-ups that split and a prefill that does not, so each kernel variant a GPU run meets is
 built here first. Each cubin's registers, spills and shared memory are read with cuobjdump.
@@ -240,7 +241,7 @@ def markdown(compiled: Sequence[Compiled], arch: int) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
-    p.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
+    p.add_argument("--models", default="qwen3-0.6b,qwen3-8b,llama-3.2-1b")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--json", default=None, help="write the table's rows here")
     args = p.parse_args(argv)
