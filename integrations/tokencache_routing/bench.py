@@ -17,9 +17,9 @@ Per (context, p, system): decode tokens/s, time to first token and per-token lat
 small steps, catch-up batches, bookkeeping share (tree and cursor time measured here, over the
 engine clock's time); bounds: the small model alone, the large model alone, the ideal
 (small-alone time plus the tokencache run's large catch-up time) and the ceiling (small-alone
-time plus the least the large model's tokens can cost: no one-device schedule beats it on the
-GPU clock). Markdown table on stdout, bench.json and bench.png (when matplotlib is installed)
-in --out.
+time plus the least the large model's tokens and KV reads can cost: no one-device schedule
+beats it on the GPU clock). Markdown table on stdout, bench.json and bench.png (when matplotlib
+is installed) in --out.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Row:
     mean_catchup_batch: float
     bookkeeping_share: float  # tree and cursor time over the engine clock's time
     large_s: float = 0.0  # the large model's share of the clock (for the ideal)
-    large_floor_s: float = 0.0  # the least the large model's tokens cost (for the ceiling)
+    large_floor_s: float = 0.0  # the least the large model's work costs (for the ceiling)
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -239,9 +239,9 @@ def table(rows: list[Row]) -> str:
 def limit_row(rows: list[Row], context: int, p: float, kind: str) -> Row | None:
     """ideal: small-alone time plus the tokencache run's large catch-up time (this schedule's
     catch-ups, nothing waiting). ceiling: small-alone time (full batches of max_running) plus
-    the least the large model's tokens in this run can cost on the clock (GpuClock.floor_s): no
-    one-device schedule computing those tokens beats it, but for the bookkeeping measured on
-    this CPU (GPU clock only)."""
+    the least the large model's tokens and KV reads in this run can cost on the clock
+    (GpuClock.floor_s): no one-device schedule computing those tokens beats it, but for the
+    bookkeeping measured on this CPU (GPU clock only)."""
     alone = next((r for r in rows if r.system == "small alone" and r.context == context), None)
     tc = next(
         (r for r in rows if r.system == "tokencache" and (r.context, r.p) == (context, p)), None
