@@ -94,7 +94,7 @@ class Compiled:
 @contextmanager
 def compile_instead_of_launch(arch: int, record: dict[str, Compiled]) -> Iterator[None]:
     """Inside: every Triton launch compiles for cuda:`arch` and returns; `record` collects one
-    entry per distinct compiled kernel (keyed by its cubin), counting its launches."""
+    entry per distinct compiled kernel (keyed by its compile hash), counting its launches."""
     original_run = JITFunction.run
 
     def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
