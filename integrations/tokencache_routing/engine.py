@@ -623,13 +623,7 @@ class RoutedEngine:
         waited_out = bool(s.parked) and (
             s.stats.steps - s.parked[0].parked_step >= s.cfg.max_wait_steps
         )
-        return s.cfg.launch_large(
-            len(s.parked),
-            waited_out,
-            s.num_on_small(),
-            len(s.active()),
-            own_device=self.topology == "two-devices",
-        )
+        return s.launch_due(waited_out, own_device=self.topology == "two-devices")
 
     def _cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
         if self.gpu_clock is not None:

@@ -154,6 +154,12 @@ class Scheduler:
         batch cap (schedule_small) keeps the batch at max_running."""
         return len(self.running) + sum(1 for r in self.busy if r.busy_model == SMALL)
 
+    def launch_due(self, waited_out: bool, own_device: bool) -> bool:
+        """SchedulerConfig.launch_large on this scheduler's state (both drivers ask it)."""
+        return self.cfg.launch_large(
+            len(self.parked), waited_out, self.num_on_small(), len(self.active()), own_device
+        )
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.parked or self.inflight or self.busy)
 
@@ -298,7 +304,7 @@ class Scheduler:
             self.fail(batch, e)
             return None
         for r in batch:
-            r.busy, r.busy_model = True, kind
+            r.busy_model = kind
         self.busy += batch
         return prep
 
@@ -419,7 +425,7 @@ class Scheduler:
 
     def _unbusy(self, batch: Sequence[Request]) -> None:
         for r in batch:
-            r.busy, r.busy_model = False, -1
+            r.busy_model = -1
             if r in self.busy:
                 self.busy.remove(r)
 

@@ -78,8 +78,8 @@ class Request:
         self.admit_order = -1
         self.last_small_step = -1  # the small step that last ran it (or admitted it)
         self.held_catchup = False  # held out of a catch-up batch once: goes in the next one
-        self.busy = False  # inside a forward that is running now (threaded driver)
-        self.busy_model = -1  # SMALL or LARGE while busy: whose forward it is in
+        # SMALL or LARGE while inside that model's forward running now (threaded driver), else -1
+        self.busy_model = -1
         # delivery to the caller
         self.cond = threading.Condition()
         self.tokens: list[int] = []
@@ -91,6 +91,11 @@ class Request:
         self.handle: RequestHandle | None = None
         self.submitted_at = 0.0
         self.token_times: list[float] = []  # engine clock at each delivered token
+
+    @property
+    def busy(self) -> bool:
+        """Inside a forward that is running now: nobody else preempts or touches it."""
+        return self.busy_model != -1
 
     @property
     def num_generated(self) -> int:

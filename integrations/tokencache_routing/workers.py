@@ -168,13 +168,7 @@ class ThreadedDriver:
                     continue
                 waited = eng.now() - s.parked[0].parked_at
                 waited_out = waited >= cfg.max_wait_s
-                if not cfg.launch_large(
-                    len(s.parked),
-                    waited_out,
-                    s.num_on_small(),
-                    len(s.active()),
-                    own_device=self.own_device,
-                ):
+                if not s.launch_due(waited_out, own_device=self.own_device):
                     self.cv.wait(min(_POLL_S, max(cfg.max_wait_s - waited, 1e-4)))
                     continue
                 try:
