@@ -7,7 +7,13 @@ per-model slot pool; prefix slots may be shared between requests (read, never re
 from .attention import TorchPagedAttention, TritonPagedAttention, make_attention_backend
 from .batch import ForwardBatch
 from .config import PRESETS, QWEN3_0_6B, QWEN3_8B, QWEN3_32B, ModelConfig
-from .context import ForwardContext, HostBatch
+from .context import (
+    MIN_SHARED_PREFIX,
+    ForwardContext,
+    HostBatch,
+    shared_prefix_len,
+    shared_prefix_passes,
+)
 from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool, SlotAllocator
 from .loader import (
@@ -26,6 +32,7 @@ from .model import CausalLM, ForwardOutput
 from .runner import GreedyRunner
 
 __all__ = [
+    "MIN_SHARED_PREFIX",
     "PRESETS",
     "QWEN3_0_6B",
     "QWEN3_8B",
@@ -52,5 +59,7 @@ __all__ = [
     "make_attention_backend",
     "model_from_state_dict",
     "random_model",
+    "shared_prefix_len",
+    "shared_prefix_passes",
     "truncate_model",
 ]
