@@ -104,6 +104,9 @@ class PreparedForward:
     new_slots: np.ndarray
     fb: ForwardBatch
     done: bool = False
+    # P: leading slots every row shares, read once by a shared-prefix runner; set by the engine
+    # when its GPU clock models one (0: none, or not asked)
+    shared_prefix: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -6,13 +6,22 @@ on a GPU cost model: `GpuClock` prices a forward of (batch, new tokens, KV token
 shapes of real models, fitted to GPU measurements kept in data/*.json (refit whenever
 benches/gpu records new ones: `GpuClock.fit(path, ...)`).
 
+kv_tokens is the KV slots the modelled runner reads. A runner with shared-prefix ("cascade")
+attention (`shared_prefix=True`) reads the P leading slot-list entries common to every row of a
+forward (tokencache_models.shared_prefix_len: a shared system prompt, P >= MIN_SHARED_PREFIX, at
+least two rows) once per block of query rows (tokencache_models.shared_prefix_passes) instead of
+once per row: sum(kv_lens) - rows*P + P*passes; without it every row reads its whole slot list,
+sum(kv_lens). `describe()` names the mode.
+
 Profiles:
 - "h200-2026-11-30" (default): least-squares fit of cost = a + b*batch + c*new_tokens +
   d*kv_tokens to what one H200 measured for the runner of that day (host-bound: ~22-28 ms a
-  step at any batch; multi-token catch-ups far above their work).
+  step at any batch; multi-token catch-ups far above their work). That runner read each row's
+  KV itself: shared_prefix False (as for clocks fitted with GpuClock.fit, unless asked).
 - "h200-roofline": no measurement: weights + KV read once at the device's bandwidth, or the
   FLOPs at its peak, whichever is larger, times 1.5 (issue 9's target for the runner). A model of
-  a runner that does not exist yet, labelled as such wherever it is used.
+  the runner being built, which reads a shared prefix once (shared_prefix True by default): a
+  runner that does not exist yet, labelled as such wherever it is used.
 """
 
 from __future__ import annotations
@@ -24,7 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from tokencache_models import PRESETS, ModelConfig
+from tokencache_models import (
+    MIN_SHARED_PREFIX,
+    PRESETS,
+    ModelConfig,
+    shared_prefix_len,
+    shared_prefix_passes,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_PROFILE = "h200-2026-11-30"
@@ -188,13 +203,18 @@ def _fit(rows: list[dict[str, Any]], model: str) -> ForwardCost:
 
 
 class GpuClock:
-    """Prices the small and the large model's forwards on a GPU cost profile."""
+    """Prices the small and the large model's forwards on a GPU cost profile.
+
+    shared_prefix: whether the modelled runner reads a forward's shared slot-list prefix once
+    (see the module docstring); None: the profile's default (True for "h200-roofline", the
+    runner being built; False for the measured fit, whose runner did not)."""
 
     def __init__(
         self,
         small: str = "qwen3-0.6b",
         large: str = "qwen3-8b",
         profile: str = DEFAULT_PROFILE,
+        shared_prefix: bool | None = None,
     ) -> None:
         if profile not in PROFILES:
             raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -207,6 +227,20 @@ class GpuClock:
         else:
             rows = json.loads((DATA / f"{profile}.json").read_text())["rows"]
             self.costs = (_fit(rows, small), _fit(rows, large))
+        default = profile == "h200-roofline"
+        self._set_shared_prefix(default if shared_prefix is None else shared_prefix)
+
+    def _set_shared_prefix(self, on: bool) -> None:
+        self.shared_prefix = bool(on)
+        groups: list[int] = []
+        for name in (self.small_name, self.large_name):
+            cfg = PRESETS.get(name)
+            if cfg is None and self.shared_prefix:
+                raise ValueError(
+                    f"shared_prefix needs the GQA group of {name!r}: one of {sorted(PRESETS)}"
+                )
+            groups.append(1 if cfg is None else cfg.num_attention_heads // cfg.num_key_value_heads)
+        self.groups = (groups[0], groups[1])
 
     @staticmethod
     def roofline(name: str) -> ForwardCost:
@@ -214,9 +248,11 @@ class GpuClock:
         return ForwardCost(name, roof, roof)
 
     @classmethod
-    def fit(cls, path: str | Path, small: str, large: str) -> GpuClock:
+    def fit(cls, path: str | Path, small: str, large: str, shared_prefix: bool = False) -> GpuClock:
         """A clock fitted to another measurements file: data/*.json's row format, or what
-        benches/gpu/decode_step.py writes (its runs under benches/gpu/results/)."""
+        benches/gpu/decode_step.py writes (its runs under benches/gpu/results/).
+        shared_prefix: whether the measured runner read a shared prefix once (say so when its
+        measurements were taken with shared-prefix attention on)."""
         clock = cls.__new__(cls)
         clock.small_name, clock.large_name, clock.profile = small, large, str(path)
         data = json.loads(Path(path).read_text())
@@ -227,15 +263,60 @@ class GpuClock:
             )
         rows = rows_from_decode_step(data) if "checks" in data else data["rows"]
         clock.costs = (_fit(rows, small), _fit(rows, large))
+        clock._set_shared_prefix(shared_prefix)
         return clock
 
-    def forward_s(self, kind: int, batch: int, new_tokens: int, kv_tokens: int) -> float:
-        return self.costs[kind](batch, new_tokens, kv_tokens)
+    @staticmethod
+    def prefix_of(kv_slots: Any, kv_offsets: Any, q_offsets: Any) -> int:
+        """P of one forward (tokencache_models.shared_prefix_len) from its slot lists: numpy
+        arrays or CPU tensors (viewed, not copied)."""
+
+        def np64(x: Any) -> np.ndarray:
+            return np.asarray(x.numpy() if hasattr(x, "numpy") else x, dtype=np.int64)
+
+        return shared_prefix_len(np64(kv_slots), np64(kv_offsets), np64(q_offsets))
+
+    def kv_read(self, kind: int, batch: int, new_tokens: int, kv_tokens: int, prefix: int) -> int:
+        """KV slots the modelled runner reads for a forward of `batch` rows whose contexts hold
+        kv_tokens slots in all, the first `prefix` (P) of every row the same: with
+        shared_prefix, kv_tokens - batch*P + P*passes (P read once per block of query rows);
+        otherwise (or P = 0) kv_tokens."""
+        if not self.shared_prefix or prefix <= 0:
+            return kv_tokens
+        passes = shared_prefix_passes(new_tokens, self.groups[kind])
+        return kv_tokens - batch * prefix + prefix * passes
+
+    def forward_s(
+        self, kind: int, batch: int, new_tokens: int, kv_tokens: int, prefix: int = 0
+    ) -> float:
+        """A forward of `batch` rows, new_tokens in all, over contexts of kv_tokens slots in
+        all whose first `prefix` slots every row shares (0: none or not known)."""
+        kv = self.kv_read(kind, batch, new_tokens, kv_tokens, prefix)
+        return self.costs[kind](batch, new_tokens, kv)
+
+    def least_kv_read(self, kind: int, total_kv_tokens: int, rows: int, shareable: int) -> int:
+        """The fewest KV slots any set of this model's forwards reads whose `rows` rows (one new
+        token at least each) have contexts of total_kv_tokens slots in all, when no two rows
+        share more than `shareable` (U) leading slots. Without shared_prefix every row reads
+        its context: total_kv_tokens. With it, a forward f of R_f rows, T_f >= R_f new tokens
+        and prefix P_f <= U reads sum(kv - U) plus passes_f*P_f + R_f*(U - P_f) (P_f = 0: R_f*U),
+        linear in P_f, so at least min(passes_f, R_f)*U >= passes(R_f)*U, passes(n) =
+        shared_prefix_passes(n, group) (one pass per block of query rows); summed over the
+        forwards (passes is subadditive, ceil of a sum): total - rows*U + passes(rows)*U, every
+        row's context beyond U and the shared prefix read as few times as all rows in one
+        forward of one token each would. U under MIN_SHARED_PREFIX is never shared
+        (shared_prefix_len returns 0)."""
+        if not self.shared_prefix or rows < 1 or shareable < MIN_SHARED_PREFIX:
+            return total_kv_tokens
+        passes = shared_prefix_passes(rows, self.groups[kind])
+        return max(0, total_kv_tokens - (rows - passes) * shareable)
 
     def floor_s(self, kind: int, total_tokens: int, total_kv_tokens: int = 0) -> float:
         """What no schedule of this model's forwards writing total_tokens and reading
-        total_kv_tokens KV slots in all undercuts."""
+        total_kv_tokens KV slots in all undercuts (pass least_kv_read's count when forwards
+        may share a prefix)."""
         return self.costs[kind].floor(total_tokens, total_kv_tokens)
 
     def describe(self) -> str:
-        return f"gpu:{self.profile} ({self.small_name} small, {self.large_name} large)"
+        mode = "shared prefix read once" if self.shared_prefix else "KV read per request"
+        return f"gpu:{self.profile} ({self.small_name} small, {self.large_name} large; {mode})"

@@ -626,9 +626,18 @@ class RoutedEngine:
         return s.launch_due(waited_out, own_device=self.topology == "two-devices")
 
     def _cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
-        if self.gpu_clock is not None:
+        """The forward's cost on the engine clock. Every dispatch (tokencache, naive,
+        naive-sglang) is priced here, on the same modelled runner. A GPU clock whose runner
+        reads a shared prefix once gets the forward's P (recorded on prep for the stats), found
+        here, outside the bookkeeping timers: the runner's own host work, not tree work."""
+        clock = self.gpu_clock
+        if clock is not None:
+            if clock.shared_prefix:
+                fb = prep.fb
+                prep.shared_prefix = clock.prefix_of(fb.kv_slots, fb.kv_offsets, fb.q_offsets)
             kv = int(prep.kv_lens.sum())
-            return self.gpu_clock.forward_s(kind, len(prep.batch), prep.num_tokens, kv)
+            batch, tokens = len(prep.batch), prep.num_tokens
+            return clock.forward_s(kind, batch, tokens, kv, prep.shared_prefix)
         if self.clock == "measured":
             return measured_s
         return 1.0 if kind == SMALL else self.large_step_cost

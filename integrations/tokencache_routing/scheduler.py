@@ -407,6 +407,7 @@ class Scheduler:
         st.catchup_batch_sizes.append(len(prep.batch))
         st.catchup_tokens.append(prep.num_tokens)
         st.catchup_kv_tokens.append(int(prep.kv_lens.sum()))
+        st.catchup_shared_prefix.append(prep.shared_prefix)
         back: list[Request] = []
         for r, t in zip(prep.batch, tokens, strict=True):
             if r.finished_reason is not None:

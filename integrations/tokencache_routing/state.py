@@ -229,7 +229,12 @@ class Stats:
     small_batch_capacity: list[int] = field(default_factory=list)
     catchup_batch_sizes: list[int] = field(default_factory=list)
     catchup_tokens: list[int] = field(default_factory=list)  # tokens prefilled per catch-up
-    catchup_kv_tokens: list[int] = field(default_factory=list)  # KV slots read per catch-up
+    # Per catch-up: its rows' contexts in KV slots (sum of kv_lens: what a runner reading each
+    # row's KV itself reads), and P, the leading slots all its rows share that the GPU clock's
+    # runner read once (0: none, or a clock without shared-prefix reads); KV read with P > 0:
+    # GpuClock.kv_read.
+    catchup_kv_tokens: list[int] = field(default_factory=list)
+    catchup_shared_prefix: list[int] = field(default_factory=list)
 
     @property
     def bookkeeping_share(self) -> float:

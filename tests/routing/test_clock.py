@@ -7,12 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from routing_helpers import make_prompts
 from test_exactness import bernoulli_decide
 
+from tokencache_models import MIN_SHARED_PREFIX, PRESETS, shared_prefix_passes
 from tokencache_routing import (
     BernoulliRouter,
     GpuClock,
@@ -202,3 +204,153 @@ def test_two_devices_late_submission_does_not_stall_the_running_batch(pair: Any)
     assert c.token_times[0] >= c.submitted_at + 1
     assert a.finished_reason == b.finished_reason == c.finished_reason == "length"
     assert eng.idle_invariant()
+
+
+# ---------------------------------------------------------------- shared-prefix reads
+
+
+def hand_built(prefix: int, own: list[int], q_lens: list[int]) -> tuple[np.ndarray, ...]:
+    """Slot lists of len(own) rows: the same `prefix` slots, then each row's own slots (its
+    last q_len slots new)."""
+    rows, nxt = [], 10_000
+    for k in own:
+        rows.append(np.concatenate([np.arange(prefix), np.arange(nxt, nxt + k)]))
+        nxt += k
+    kv_off = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    q_off = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    return np.concatenate(rows).astype(np.int64), kv_off, q_off
+
+
+@pytest.mark.parametrize("profile", ["h200-2026-11-30", "h200-roofline"])
+@pytest.mark.parametrize("q_len", [1, 30])  # decode; a catch-up of several prefix passes
+def test_kv_term_reads_a_shared_prefix_once_per_pass(profile: str, q_len: int) -> None:
+    """On a hand-built batch: with shared_prefix the clock's KV term is
+    sum(kv_lens) - n*P + P*passes, without it sum(kv_lens), whatever the profile."""
+    own = [40, 33, 57, 35]
+    slots, kv_off, q_off = hand_built(300, own, [q_len] * len(own))
+    kv_lens = np.diff(kv_off)
+    n, total, tokens = len(own), int(kv_lens.sum()), q_len * len(own)
+    on = GpuClock(profile=profile, shared_prefix=True)
+    off = GpuClock(profile=profile, shared_prefix=False)
+    p = on.prefix_of(slots, kv_off, q_off)
+    assert p == 300
+    import torch  # the engine passes its ForwardBatch's CPU tensors
+
+    assert on.prefix_of(*(torch.from_numpy(x) for x in (slots, kv_off, q_off))) == 300
+    for kind, name in ((SMALL, "qwen3-0.6b"), (LARGE, "qwen3-8b")):
+        cfg = PRESETS[name]
+        passes = shared_prefix_passes(tokens, cfg.num_attention_heads // cfg.num_key_value_heads)
+        assert passes == (1 if q_len == 1 else -(-tokens // (16 if kind == LARGE else 32)))
+        want = total - n * p + p * passes
+        assert on.kv_read(kind, n, tokens, total, p) == want
+        assert on.forward_s(kind, n, tokens, total, p) == on.costs[kind](n, tokens, want)
+        assert off.kv_read(kind, n, tokens, total, p) == total
+        assert off.forward_s(kind, n, tokens, total, p) == off.costs[kind](n, tokens, total)
+        assert on.kv_read(kind, n, tokens, total, 0) == total  # P = 0: nothing shared
+    # A prefix under MIN_SHARED_PREFIX, or one row, is not shared (P = 0).
+    short = hand_built(MIN_SHARED_PREFIX - 1, own, [1] * len(own))
+    assert on.prefix_of(*short) == 0
+    assert on.prefix_of(*hand_built(300, own[:1], [1])) == 0
+
+
+def test_shared_prefix_defaults_and_describe() -> None:
+    """The runner being built (roofline) reads a shared prefix once, the measured one did
+    not; fitted clocks default to not; describe() says which."""
+    roof, measured = GpuClock(profile="h200-roofline"), GpuClock()
+    assert roof.shared_prefix and not measured.shared_prefix
+    assert "shared prefix read once" in roof.describe()
+    assert "KV read per request" in measured.describe()
+    assert not GpuClock(profile="h200-roofline", shared_prefix=False).shared_prefix
+    assert GpuClock(shared_prefix=True).shared_prefix
+    path = DATA / "h200-2026-11-30.json"
+    assert not GpuClock.fit(path, "qwen3-0.6b", "qwen3-8b").shared_prefix
+    fitted = GpuClock.fit(path, "qwen3-0.6b", "qwen3-8b", shared_prefix=True)
+    assert fitted.shared_prefix and "shared prefix read once" in fitted.describe()
+
+
+@st.composite
+def shared_schedules(draw: Any) -> tuple[int, list[tuple[list[int], list[int], int]]]:
+    """(U, forwards): each forward's rows (context, new tokens) and its P: 0, or at most U
+    (no two rows share more than U slots) and at most every row's context before its new
+    tokens, and at least MIN_SHARED_PREFIX (shared_prefix_len's rule); one-row forwards 0."""
+    shareable = draw(st.integers(0, 20_000))
+    forwards = []
+    for _ in range(draw(st.integers(1, 8))):
+        n = draw(st.integers(1, 40))
+        q = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+        kv = [qi + draw(st.integers(0, 30_000)) for qi in q]
+        cap = min([shareable] + [k - qi for k, qi in zip(kv, q, strict=True)])
+        p = draw(st.integers(0, max(0, cap))) if n >= 2 else 0
+        forwards.append((kv, q, p if p >= MIN_SHARED_PREFIX else 0))
+    return shareable, forwards
+
+
+@pytest.mark.parametrize("profile", ["h200-2026-11-30", "h200-roofline"])
+@pytest.mark.parametrize("shared", [False, True])
+@settings(max_examples=200, deadline=None)
+@given(sched=shared_schedules())
+def test_floor_bounds_every_schedule_with_shared_reads(
+    profile: str, shared: bool, sched: tuple[int, list[tuple[list[int], list[int], int]]]
+) -> None:
+    """The bench's ceiling with shared-prefix reads: however the rows are cut into forwards
+    and whatever prefix each forward shares (at most the shareable one), the forwards cost at
+    least floor_s of the tokens and least_kv_read of the rows."""
+    shareable, forwards = sched
+    clock = GpuClock(profile=profile, shared_prefix=shared)
+    rows = sum(len(kv) for kv, _, _ in forwards)
+    total_kv = sum(sum(kv) for kv, _, _ in forwards)
+    total = sum(sum(q) for _, q, _ in forwards)
+    for kind in (SMALL, LARGE):
+        least = clock.least_kv_read(kind, total_kv, rows, shareable)
+        assert 0 <= least <= total_kv
+        paid = sum(clock.forward_s(kind, len(kv), sum(q), sum(kv), p) for kv, q, p in forwards)
+        read = sum(clock.kv_read(kind, len(kv), sum(q), sum(kv), p) for kv, q, p in forwards)
+        assert least <= read
+        assert clock.floor_s(kind, total, least) <= paid * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("kind", [SMALL, LARGE])
+def test_shared_floor_is_tight_so_an_overstated_one_fails(kind: int) -> None:
+    """One decode forward whose rows share exactly the shareable prefix reads what
+    least_kv_read says: the roofline floor equals its cost, so any floor that counts the
+    shared prefix more often (per row, or one pass more) is above what a schedule paid, and
+    the bound check above would catch it."""
+    clock = GpuClock(profile="h200-roofline")
+    n, shareable, own = 32, 8000, 150
+    passes = 1 if kind == SMALL else 2  # 32 (0.6B, group 2) or 16 (8B, group 4) rows a pass
+    total_kv = n * (shareable + own)
+    paid = clock.forward_s(kind, n, n, total_kv, shareable)
+    least = clock.least_kv_read(kind, total_kv, n, shareable)
+    assert least == total_kv - (n - passes) * shareable
+    assert clock.floor_s(kind, n, least) == pytest.approx(paid, rel=1e-12)
+    for over in (least + shareable, total_kv):
+        assert clock.floor_s(kind, n, over) > paid * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("dispatch", ["naive", "tokencache"])
+def test_engine_prices_shared_prefixes_for_every_dispatch(pair: Any, dispatch: str) -> None:
+    """Every dispatch is priced on the same runner: with shared_prefix the engine finds each
+    forward's P (the primed prompt, shared by every row), the catch-ups record it, the clock
+    runs ahead less, and the tokens are the same."""
+    router = BernoulliRouter(0.3, seed=5)
+    prompts = make_prompts(8, seed=11, shared=100)
+    out = {}
+    for shared in (False, True):
+        clock = GpuClock(profile="h200-roofline", shared_prefix=shared)
+        eng = RoutedEngine(*pair, router, 2048, clock=clock, dispatch=dispatch)
+        eng.sched.router = ScriptedRouter(every=True)  # prime both trees, as the bench does
+        eng.submit(prompts[0][:100], 1, route_key=-1).wait()
+        eng.sched.router = router
+        start = eng.stats.copy()
+        res = eng.generate(prompts, 8)
+        st = eng.stats.since(start)
+        out[shared] = (res.tokens, st)
+        assert eng.idle_invariant()
+    (tok_off, st_off), (tok_on, st_on) = out[False], out[True]
+    assert tok_on == tok_off
+    assert set(st_off.catchup_shared_prefix) == {0}
+    assert len(st_on.catchup_shared_prefix) == len(st_on.catchup_batch_sizes)
+    pairs = zip(st_on.catchup_batch_sizes, st_on.catchup_shared_prefix, strict=True)
+    shared_rows = [(b, p) for b, p in pairs if p]
+    assert shared_rows and all(b >= 2 and p >= 100 for b, p in shared_rows)
+    assert st_on.modeled_s < st_off.modeled_s
