@@ -1,25 +1,30 @@
 """Serving benchmark of routed decode: naive dispatchers vs tokencache cursors, one harness.
 
     python -m tokencache_routing.bench [--quick] [--clock gpu|measured]
-        [--profile h200-2026-11-30|h200-roofline] [--contexts 2048 8192] [--rates 0.05 0.1 0.2]
-        [--max-running 32] [--dispatches naive naive-sglang tokencache threaded] [--out DIR]
+        [--profile h200-2026-11-30|h200-roofline] [--[no-]shared-prefix]
+        [--contexts 2048 8192] [--rates 0.05 0.1 0.2] [--max-running 32]
+        [--dispatches naive naive-sglang tokencache threaded] [--out DIR]
 
 A serving workload: N = --requests-per-slot x max_running requests (a shared system prompt plus
 each request's own text, --context tokens in all once generated) submitted at once and admitted
 continuously as places free up. Tiny random models compute the tokens on this CPU; the engine
 clock prices every forward (default --clock gpu: a GpuClock at Qwen3-0.6B / Qwen3-8B shapes on
 a GPU cost profile fitted to H200 measurements, plus the tree bookkeeping measured here), so a
-schedule is judged by GPU-shaped costs. "threaded" runs on wall time (its two workers really
-overlap), so its rows are CPU measurements whatever the clock.
+schedule is judged by GPU-shaped costs. Every system runs on the same modelled runner: with
+--shared-prefix (the roofline profile's default) it reads the slot-list prefix all rows of a
+forward share (the system prompt) once per block of query rows, not once per row; the report's
+clock line says which. "threaded" runs on wall time (its two workers really overlap), so its
+rows are CPU measurements whatever the clock.
 
 Per (context, p, system): decode tokens/s, time to first token and per-token latency p50/p99
 (engine clock), small-model batch occupancy (batch / min(max_running, admitted requests)),
 small steps, catch-up batches, bookkeeping share (tree and cursor time measured here, over the
 engine clock's time); bounds: the small model alone, the large model alone, the ideal
 (small-alone time plus the tokencache run's large catch-up time) and the ceiling (small-alone
-time plus the least the large model's tokens and KV reads can cost: no one-device schedule
-beats it on the GPU clock). Markdown table on stdout, bench.json and bench.png (when matplotlib
-is installed) in --out.
+time plus the least the large model's tokens and KV reads can cost: each escalation's context,
+less, with shared-prefix reads, the longest prefix two requests share, which is read only as
+often as one forward of all of them would: no one-device schedule beats it on the GPU clock).
+Markdown table on stdout, bench.json and bench.png (when matplotlib is installed) in --out.
 """
 
 from __future__ import annotations
@@ -75,6 +80,20 @@ def make_prompts(n: int, shared: int, unique: int, vocab: int, seed: int) -> lis
     rng = __import__("numpy").random.default_rng(seed)
     base = rng.integers(0, vocab, shared).tolist()
     return [base + rng.integers(0, vocab, unique).tolist() for _ in range(n)]
+
+
+def longest_common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """The longest prefix two of seqs (different entries) have in common: the most KV slots two
+    requests' rows can share (equal slots hold equal tokens). The adjacent pairs in sorted
+    order include the best pair."""
+    import numpy as np
+
+    best = 0
+    for x, y in itertools.pairwise(sorted(tuple(q) for q in seqs)):
+        m = min(len(x), len(y))
+        diff = np.flatnonzero(np.asarray(x[:m]) != np.asarray(y[:m]))
+        best = max(best, int(diff[0]) if len(diff) else m)
+    return best
 
 
 def tiny_models(positions: int) -> tuple[Any, Any]:
@@ -134,10 +153,11 @@ def run(
     elif system == "threaded":
         dispatch, mode = "tokencache", "threaded"
     clock: Any = "measured"
+    shared_prefix = getattr(a, "shared_prefix", None)  # None: the profile's default
     if a.clock == "gpu" and a.profile.endswith(".json"):  # fresh GPU measurements, refitted
-        clock = GpuClock.fit(a.profile, *names)
+        clock = GpuClock.fit(a.profile, *names, shared_prefix=bool(shared_prefix))
     elif a.clock == "gpu":
-        clock = GpuClock(*names, profile=a.profile)
+        clock = GpuClock(*names, profile=a.profile, shared_prefix=shared_prefix)
     if mode == "threaded":
         clock = "measured"
     sched = SchedulerConfig(
@@ -178,14 +198,29 @@ def run(
     times = [h.token_times for h in handles]
     gaps = [b - a_ for ts in times for a_, b in itertools.pairwise(ts)]
     gpu = eng.gpu_clock
-    # The catch-ups priced as the clock priced them; and the least any schedule pays for the
-    # large model's tokens: each escalation is one forward of that request over its whole
-    # context (the next token is the small model's), so every schedule of this router's
-    # decisions reads at least the KV these catch-ups read.
+    # The catch-ups priced as the clock priced them (their shared prefixes read once when the
+    # clock's runner does that); and the least any schedule pays for the large model's tokens:
+    # each escalation is one row of some forward over that request's whole context (the next
+    # token is the small model's), so every schedule of this router's decisions reads at least
+    # GpuClock.least_kv_read of these rows: with shared-prefix reads, each row's context beyond
+    # the longest prefix two requests have in common (no two rows of a forward share more
+    # slots than their tokens), and that prefix as few times as one forward of them all would.
     sizes, toks, kvs = st.catchup_batch_sizes, st.catchup_tokens, st.catchup_kv_tokens
-    triples = zip(sizes, toks, kvs, strict=True)
-    large_s = sum(gpu.forward_s(1, b, t, kv) for b, t, kv in triples) if gpu else st.large_forward_s
-    floor = gpu.floor_s(1, sum(toks), sum(kvs)) if gpu else 0.0
+    prefixes = st.catchup_shared_prefix
+    extra: dict[str, Any] = {"topology": eng.topology}
+    large_s, floor = st.large_forward_s, 0.0
+    if gpu is not None:
+        rows4 = list(zip(sizes, toks, kvs, prefixes, strict=True))
+        large_s = sum(gpu.forward_s(1, b, t, kv, pre) for b, t, kv, pre in rows4)
+        read = sum(gpu.kv_read(1, b, t, kv, pre) for b, t, kv, pre in rows4)
+        seqs = [[*q, *h.tokens] for q, h in zip(prompts, handles, strict=True)]
+        shareable = longest_common_prefix(seqs)
+        assert max(prefixes, default=0) <= shareable, "a forward shared more than its tokens"
+        least = gpu.least_kv_read(1, sum(kvs), sum(sizes), shareable)
+        floor = gpu.floor_s(1, sum(toks), least)
+        extra |= {"shared_prefix": gpu.shared_prefix, "shareable_prefix": shareable,
+                  "catchup_kv_context": sum(kvs), "catchup_kv_read": read,
+                  "catchup_kv_floor": least}  # fmt: skip
     assert eng.idle_invariant(), f"{system}: engine not idle after the run"
     return Row(
         context=len(prompts[0]) + max_new,
@@ -206,7 +241,7 @@ def run(
         bookkeeping_share=st.bookkeeping_s / seconds if seconds else 0.0,
         large_s=large_s,
         large_floor_s=floor,
-        extra={"topology": eng.topology},
+        extra=extra,
         wall_s=wall,
     )
 
@@ -240,8 +275,10 @@ def limit_row(rows: list[Row], context: int, p: float, kind: str) -> Row | None:
     """ideal: small-alone time plus the tokencache run's large catch-up time (this schedule's
     catch-ups, nothing waiting). ceiling: small-alone time (full batches of max_running) plus
     the least the large model's tokens and KV reads in this run can cost on the clock
-    (GpuClock.floor_s): no one-device schedule computing those tokens beats it, but for the
-    bookkeeping measured on this CPU (GPU clock only)."""
+    (GpuClock.floor_s of GpuClock.least_kv_read: with shared-prefix reads, each escalation's
+    context beyond the shareable prefix, and that prefix read as few times as possible): no
+    one-device schedule computing those tokens beats it, but for the bookkeeping measured on
+    this CPU (GPU clock only)."""
     alone = next((r for r in rows if r.system == "small alone" and r.context == context), None)
     tc = next(
         (r for r in rows if r.system == "tokencache" and (r.context, r.p) == (context, p)), None
@@ -299,6 +336,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="h200-2026-11-30",
         help="GpuClock profile, or a JSON of GPU measurements to fit (data/*.json's rows, or a "
         "benches/gpu/results/ file that decode_step.py wrote)",
+    )
+    ap.add_argument(
+        "--shared-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether the clock's runner reads a forward's shared slot-list prefix once "
+        "(default: the profile's: on for h200-roofline, off for measured fits)",
     )
     ap.add_argument("--small-shape", default="qwen3-0.6b", help="model shape the clock prices")
     ap.add_argument("--large-shape", default="qwen3-8b")

@@ -18,6 +18,11 @@ def test_bench_runs_on_the_gpu_clock(
     bench.main([*args, "--profile", profile, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert f"clock: gpu:{profile}" in out
+    # The report says whether the modelled runner reads a shared prefix once (the roofline's
+    # runner does, the measured one did not).
+    mode = "shared prefix read once" if profile == "h200-roofline" else "KV read per request"
+    (line,) = [x for x in out.splitlines() if x.startswith("clock: ")]
+    assert mode in line
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     systems = {r.split("|")[3].strip() for r in rows[1:]}
     assert systems == {
@@ -30,6 +35,8 @@ def test_bench_runs_on_the_gpu_clock(
         assert by[name]["requests"] == n and by[name]["tokens"] == n * 8
         assert by[name]["tokens_per_s"] > 0
     assert by["threaded"]["clock"] == "wall (this CPU)"
+    assert by["tokencache"]["extra"]["shared_prefix"] is (profile == "h200-roofline")
+    assert mode in by["tokencache"]["clock"] and mode in by["naive"]["clock"]
     assert 0 < by["tokencache"]["occupancy"] <= 1
     # The ceiling bounds every one-device schedule on the clock, the ideal included.
     ceiling = by["ceiling"]["tokens_per_s"]
