@@ -54,6 +54,7 @@ REGISTERS_PER_SM = 65_536
 EXPECTED_KERNELS = (
     "_paged_decode_kernel",
     "_paged_varlen_kernel",
+    "_shared_prefix_kernel",
     "_merge_splits_kernel",
     "_add_rmsnorm_kernel",
     "_qk_norm_rope_kernel",
@@ -167,19 +168,26 @@ def one_layer(name: str, dtype: torch.dtype) -> CausalLM:
 
 def batches(vocab: int) -> Iterator[tuple[str, ForwardBatch]]:
     """Decode at every batch size whose split-KV merge width differs, catch-ups that split (and
-    one that is a decode of one token each), a prefill that does not split."""
+    one that is a decode of one token each), a prefill that does not split; then the same
+    kinds over a shared 512-slot prefix (the shared-prefix kernel and the skipping variants)."""
     perm = torch.randperm(16 * 1024)
     for bs in (1, 2, 4, 8, 16, 32, 64):
         yield f"decode b={bs}", _requests([[1]] * bs, [4] * bs, perm)
     yield "catch-up 2x10@4096", _requests([[1] * 10] * 2, [4086] * 2, perm)
     yield "catch-up 3x1@600", _requests([[1]] * 2 + [[1] * 3], [600, 600, 598], perm)
     yield "prefill 2x300", _requests([[1] * 300] * 2, [0, 0], perm)
+    for bs in (2, 8, 32, 64):
+        yield f"shared decode b={bs}", _requests([[1]] * bs, [4] * bs, perm, shared=512)
+    yield "shared catch-up 3x10", _requests([[1] * 10] * 3, [40] * 3, perm, shared=512)
 
 
-def _requests(new: list[list[int]], cached: list[int], perm: torch.Tensor) -> ForwardBatch:
-    prefixes, slots, o = [], [], 0
+def _requests(
+    new: list[list[int]], cached: list[int], perm: torch.Tensor, shared: int = 0
+) -> ForwardBatch:
+    """Request i: `shared` slots common to all, cached[i] own ones, then its new tokens."""
+    prefixes, slots, o = [], [], shared
     for toks, n in zip(new, cached, strict=True):
-        prefixes.append(perm[o : o + n])
+        prefixes.append(torch.cat((perm[:shared], perm[o : o + n])))
         slots.append(perm[o + n : o + n + len(toks)])
         o += n + len(toks)
     return ForwardBatch.from_requests(new, prefixes, slots)

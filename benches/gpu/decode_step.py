@@ -6,13 +6,17 @@ CPU smoke test of every code path (tiny model, no timing claims):  ... --smoke -
 Qwen3 shapes, random bf16 weights. Decode: every request attends over --context cached tokens
 (random K/V in shuffled slots) and each timed step decodes one token per request into the same
 slot, so the context stays constant. Catch-up: k requests x t new tokens at context L (the
-routing engine's large-model forward). Paths:
+routing engine's large-model forward). Shared decode (--shared-decode B x L / own): B requests
+whose contexts share their first L - own slots (a shared system prompt), timed with the
+shared-prefix kernel (graphs) and without it (graphs-per-row: every row reads its whole list).
+Paths:
   eager   Triton attention (split-KV decode kernel, varlen kernel for catch-ups), no graphs
   graphs  the same kernels, decode steps replayed from CUDA graphs (padded batch buckets)
   torch   the portable gather + SDPA attention, eager
   unfused eager without the Triton fusions of the elementwise chains (fused.py)
 Each row: ms per step (CUDA events, median), host wall ms per step, tokens/s and the fraction of
-the memory-bandwidth bound reached (weights + the batch's KV read once, at --bandwidth-gbs).
+the memory-bandwidth bound reached (weights + the batch's KV read once, at --bandwidth-gbs; a
+shared prefix counted once per pass of the prefix kernel).
 Before timing, graphs are checked against eager on an fp32 model (logits within 1e-4, identical
 greedy tokens over 64 steps) and the Triton catch-up path against the torch one.
 Writes <device>-<date>.json to --out, else $OUT, else benches/gpu/results/ (GPU runs only).
@@ -41,7 +45,7 @@ sys.path.insert(0, str(ROOT / "integrations"))  # runs from a checkout without i
 
 from tokencache_models import PRESETS, CausalLM, ForwardBatch, KVPool, random_model  # noqa: E402
 from tokencache_models.config import ModelConfig  # noqa: E402
-from tokencache_models.context import HostBatch  # noqa: E402
+from tokencache_models.context import HostBatch, shared_prefix_passes  # noqa: E402
 from tokencache_models.graphs import DecodeGraphRunner  # noqa: E402
 
 # The batch sizes issue 9's targets name: timed first, so a short budget still measures them.
@@ -70,6 +74,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="1x10@8192,4x10@8192,10x10@8192,10x10@2048,10x15@2048",
         help="k x t @ L: k requests, t new tokens each, context L",
     )
+    p.add_argument(
+        "--shared-decode",
+        default="32x2048/160,32x8192/160",
+        help="B x L / own: B decode requests of context L sharing all but their own last tokens",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--check-steps", type=int, default=64)
@@ -80,6 +89,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON file or directory")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few steps")
     return p.parse_args(argv)
+
+
+def parse_shared(spec: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(\d+)x(\d+)/(\d+)", item.strip())
+        if not m or not 1 <= int(m.group(3)) <= int(m.group(2)):
+            raise ValueError(f"bad shared-decode spec {item!r}; expected BxL/own, 1 <= own <= L")
+        b, ctx, own = (int(g) for g in m.groups())
+        out.append((b, ctx, own))
+    return out
 
 
 def parse_catchups(spec: str) -> list[tuple[int, int, int]]:
@@ -118,6 +138,23 @@ def decode_batch(bs: int, context: int, perm: torch.Tensor, vocab: int) -> Forwa
         out_slots=slots[:, -1].contiguous(),
         q_offsets=torch.arange(bs + 1, dtype=torch.int64),
         kv_slots=slots.reshape(-1).contiguous(),
+        kv_offsets=torch.arange(bs + 1, dtype=torch.int64) * context,
+    )
+
+
+def shared_decode_batch(
+    bs: int, context: int, own: int, perm: torch.Tensor, vocab: int
+) -> ForwardBatch:
+    """bs decode requests whose slot lists start with the same context - own slots, then own
+    slots of their own (the last one new)."""
+    shared = context - own
+    common, slots = perm[:shared], perm[shared : shared + bs * own].view(bs, own)
+    return ForwardBatch(
+        token_ids=torch.randint(0, vocab, (bs,), dtype=torch.int64),
+        positions=torch.full((bs,), context - 1, dtype=torch.int64),
+        out_slots=slots[:, -1].contiguous(),
+        q_offsets=torch.arange(bs + 1, dtype=torch.int64),
+        kv_slots=torch.cat([torch.cat((common, s)) for s in slots]),
         kv_offsets=torch.arange(bs + 1, dtype=torch.int64) * context,
     )
 
@@ -164,6 +201,7 @@ class Paths:
         self.model, self.pool, self.cuda = model, pool, cuda
         fast = "triton" if cuda else "torch"
         self.backend = {"eager": fast, "graphs": fast, "torch": "torch", "unfused": fast}
+        self.backend["graphs-per-row"] = fast
         # On the CPU the graphs path is the padded static path without capture.
         self.static = None
         if not cuda:
@@ -184,14 +222,19 @@ class Paths:
             if static.fits(hb):
                 return lambda: static.run(HostBatch.from_batch(batch))
 
+        attention = model.attention(backend)
+        shares = attention.shares_prefix
+
         def run() -> Any:
-            model.decode_graphs = path == "graphs"
+            model.decode_graphs = path.startswith("graphs")
             model.fused = False if path == "unfused" else None
+            attention.shares_prefix = shares and path != "graphs-per-row"
             try:
                 return model(batch, pool, backend)
             finally:
                 model.decode_graphs = False
                 model.fused = None
+                attention.shares_prefix = shares
 
         return run
 
@@ -262,6 +305,29 @@ def check_catchup_paths(
     }
 
 
+def check_shared_prefix(
+    model: CausalLM, pool: KVPool, perm: torch.Tensor, spec: tuple[int, int, int]
+) -> dict[str, Any]:
+    """A decode step over a shared prefix: the prefix kernel's logits against every row reading
+    its whole slot list (same kernels otherwise) and against the torch path."""
+    bs, ctx, own = spec
+    batch = shared_decode_batch(bs, ctx, own, perm, model.config.vocab_size)
+    fast = model.attention("triton" if model.device.type == "cuda" else "torch")
+    shares = fast.shares_prefix
+    outs = []
+    for on in (True, False):
+        fast.shares_prefix = shares and on
+        outs.append(model(batch, pool, fast.name).logits)
+    fast.shares_prefix = shares
+    ref = model(batch, pool, "torch").logits
+    return {
+        "check": f"shared decode {bs}x{ctx}/{own}: prefix kernel vs per-row, torch ({model.dtype})",
+        "max_abs_logit_diff_per_row": (outs[0] - outs[1]).abs().max().item(),
+        "max_abs_logit_diff_torch": (outs[0] - ref).abs().max().item(),
+        "argmax_equal_torch": bool(torch.equal(outs[0].argmax(-1), ref.argmax(-1))),
+    }
+
+
 def bench_model(
     name: str,
     config: ModelConfig,
@@ -275,7 +341,12 @@ def bench_model(
     cuda = device.type == "cuda"
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     catchups = parse_catchups(args.catchups)
-    need = max([max(sizes) * args.context] + [k * c for k, _, c in catchups])
+    shared_specs = parse_shared(args.shared_decode)
+    need = max(
+        [max(sizes) * args.context]
+        + [k * c for k, _, c in catchups]
+        + [ctx + b * own for b, ctx, own in shared_specs]
+    )
     model = random_model(config, device, dtype, seed=0)
     model.decode_graphs = False
     pool = KVPool.for_config(config, need, device, dtype)
@@ -286,12 +357,14 @@ def bench_model(
     wbytes, kvb = weight_bytes(model), kv_bytes_per_token(config, dtype)
     rows: list[dict[str, Any]] = []
     checks = [check_catchup_paths(model, pool, perm, catchups[0])] if catchups else []
+    if shared_specs:
+        checks.append(check_shared_prefix(model, pool, perm, shared_specs[0]))
 
     def timed(row: dict[str, Any], fn: Callable[[], Any], tokens: int, kv_tokens: int) -> None:
         if time.monotonic() > deadline:
             row["skipped"] = "time budget"
         else:
-            runner = paths.runner() if row["path"] == "graphs" else None
+            runner = paths.runner() if row["path"].startswith("graphs") else None
             before = runner.replays if runner is not None else 0
             try:
                 ms, wall = time_calls(fn, args.warmup, args.iters, cuda)
@@ -303,7 +376,7 @@ def bench_model(
                     bound_ms=bound,
                     bound_fraction=bound / ms,
                 )
-                runner = paths.runner() if row["path"] == "graphs" else None
+                runner = paths.runner() if row["path"].startswith("graphs") else None
                 if runner is not None and runner.use_graphs:
                     row["graph_replays"] = runner.replays - before
             except Exception as e:  # record OOM / compile errors and go on
@@ -329,15 +402,31 @@ def bench_model(
             row["new_tokens"] = t
             timed(row, paths.call(path, batch), k * t, k * ctx)
 
+    def shared_decode(bs: int, ctx: int, own: int) -> None:
+        batch = shared_decode_batch(bs, ctx, own, perm, config.vocab_size)
+        shared = HostBatch.from_batch(batch).shared_prefix_len()
+        group = config.num_attention_heads // config.num_key_value_heads
+        # The least KV a step must read: each row's own slots, the prefix once per kernel pass.
+        kv_read = bs * (ctx - shared) + shared * shared_prefix_passes(bs, group)
+        for path in ("graphs", "graphs-per-row"):
+            if "graphs" not in args.paths.split(","):
+                break
+            row = {"model": name, "kind": "shared decode", "path": path, "batch": bs}
+            row.update(context=ctx, shared=shared)
+            timed(row, paths.call(path, batch), bs, kv_read)
+
     first = [bs for bs in TARGET_BATCHES if bs in sizes]
     for bs in first:
         decode(bs)
     for spec in catchups:
         catch_up(*spec)
+    for shared_spec in shared_specs:
+        shared_decode(*shared_spec)
     for bs in sizes:
         if bs not in first:
             decode(bs)
-    rows.sort(key=lambda r: (r["kind"] != "decode", r["batch"], r.get("context", 0)))
+    kinds = ("decode", "shared decode", "catch-up")
+    rows.sort(key=lambda r: (kinds.index(r["kind"]), r["batch"], r.get("context", 0)))
     return rows, checks
 
 
@@ -365,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.models = "smoke"
         args.batch_sizes, args.context = "1,3,4", 40
         args.catchups, args.warmup, args.iters = "2x3@40,1x5@70", 1, 2
+        args.shared_decode = "3x40/4"
         args.check_steps = min(args.check_steps, 6)
         args.paths = "eager,graphs,torch,unfused"
     elif not torch.cuda.is_available():

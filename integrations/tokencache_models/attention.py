@@ -64,6 +64,7 @@ class TorchPagedAttention:
     """
 
     name = "torch"
+    shares_prefix = False  # the reference path: every row reads its whole slot list
 
     def plan(self, hb: HostBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
         q_lens, kv_lens = hb.q_lens, hb.kv_lens
@@ -152,9 +153,14 @@ class TorchPagedAttention:
 class TritonPagedAttention(TorchPagedAttention):
     """GPU path: a split-KV paged decode kernel for decode rows and a paged varlen
     (flash-attention style) kernel for prefill / extend / mixed batches; one launch per layer
-    either way, shapes from host-known maxima only."""
+    either way, shapes from host-known maxima only. shared_prefix (default on): when the real
+    rows start with the same slots (ForwardContext.shared_len), a third kernel reads those once
+    for the whole batch and the per-row kernels skip them (triton_prefix.py)."""
 
     name = "triton"
+
+    def __init__(self, shared_prefix: bool = True) -> None:
+        self.shares_prefix = shared_prefix
 
     def plan(self, hb: HostBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
         return {}, []
@@ -171,15 +177,19 @@ class TritonPagedAttention(TorchPagedAttention):
         scale: float,
     ) -> torch.Tensor:
         # Deferred imports: CPU-only users never load triton.
+        prefix = ctx.prefix_len if ctx.shared_len else None
         if ctx.is_decode:
             from .triton_decode import paged_decode
 
-            return paged_decode(q, k_cache, v_cache, ctx.kv_slots, ctx.kv_offsets, scale)
+            return paged_decode(
+                q, k_cache, v_cache, ctx.kv_slots, ctx.kv_offsets, scale, prefix_len=prefix
+            )
         from .triton_varlen import paged_varlen
 
         return paged_varlen(
-            q, k_cache, v_cache, ctx.kv_slots, ctx.q_offsets, ctx.kv_offsets, scale, ctx.max_q_len
-        )
+            q, k_cache, v_cache, ctx.kv_slots, ctx.q_offsets, ctx.kv_offsets, scale,
+            ctx.max_q_len, prefix_len=prefix, shared_len=ctx.shared_len,
+        )  # fmt: skip
 
 
 def triton_available() -> bool:

@@ -188,6 +188,11 @@ class ForwardContext:
     kv_offsets: torch.Tensor  # [B + 1]
     last_token: torch.Tensor  # [B] index of each row's last new token in [0, T)
     scratch_slot: int  # pool row that padding tokens write (see KVPool.scratch_slot)
+    # Shared-prefix attention: every real row's first shared_len slots are row 0's, read once
+    # for the batch (0: off). prefix_len holds the same number on the device; a CUDA graph
+    # reads it there, so the host value only says whether the prefix path runs.
+    shared_len: int = 0
+    prefix_len: torch.Tensor | None = None
     attn: Any = None  # the backend's per-forward tables (backend.prepare)
     backend: Any = None  # the model's attention backend (TorchPagedAttention or a subclass)
     pool: KVPool | None = None
@@ -209,12 +214,14 @@ class ForwardContext:
         scratch_slot: int,
         plan: Any = None,
         pad_rows_to: int | None = None,
+        shared_prefix: bool = False,
     ) -> ForwardContext:
         """Host work first (lengths, maxima, padding, the backend's host plan), then one copy.
 
         plan(host_batch) -> (dict of host facts, list of extra int64 arrays to move) lets the
         attention backend precompute its host-side tables; the moved arrays land in
-        ctx.host["arrays"] in the same order.
+        ctx.host["arrays"] in the same order. shared_prefix: find the real rows' common prefix
+        (HostBatch.shared_prefix_len) for a backend that reads it once.
         """
         hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
         if pad_rows_to is not None:
@@ -235,6 +242,9 @@ class ForwardContext:
             hb.kv_offsets,
             hb.q_offsets[1:] - 1,
         ]
+        shared = hb.shared_prefix_len() if shared_prefix else 0
+        if shared:
+            base.append(np.array([shared], dtype=np.int64))
         moved = to_device(base + list(extra), device)
         facts["arrays"] = moved[len(base) :]
         return cls(
@@ -252,5 +262,7 @@ class ForwardContext:
             kv_offsets=moved[5],
             last_token=moved[6],
             scratch_slot=scratch_slot,
+            shared_len=shared,
+            prefix_len=moved[7] if shared else None,
             host=facts,
         )

@@ -8,8 +8,10 @@ capture_all); every graph shares one memory pool. The padded static path without
 
 The graph's shapes depend on the bucket only: the Triton decode kernel reads each row's KV range
 from the (static) offsets buffer, so any context fits as long as the step's slot list fits the
-kv_slots buffer (kv_capacity). The torch path gathers a fixed [rows, width] block, so its graphs
-are keyed by (bucket, width) as well, width = decode_kv_width(max kv length).
+kv_slots buffer (kv_capacity). A step whose rows share a prefix replays the bucket's
+shared-prefix graph, which reads the prefix length from a buffer as well. The torch path
+gathers a fixed [rows, width] block, so its graphs are keyed by (bucket, width) as well,
+width = decode_kv_width(max kv length).
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ class DecodeGraphRunner:
         self._last_token = i64(torch.arange(n))
         self._kv_offsets = i64(torch.zeros(n + 1))
         self._kv_slots = i64(torch.zeros(self.kv_capacity))
+        self._prefix_len = i64(torch.zeros(1))  # the step's shared prefix (shared-prefix graphs)
         self._reset()
-        self._graphs: dict[tuple[int, int], tuple[Any, ForwardOutput]] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple[Any, ForwardOutput]] = {}
         self._mempool: Any = None
         self.replays = 0  # decode steps served by a graph (tests and benches read it)
 
@@ -96,6 +99,7 @@ class DecodeGraphRunner:
         self._out_slots.fill_(scratch)
         self._kv_offsets.copy_(torch.arange(self.max_rows + 1))
         self._kv_slots[: self.max_rows].fill_(scratch)
+        self._prefix_len.zero_()
 
     def bucket(self, batch: int) -> int | None:
         return decode_bucket(batch, self.buckets)
@@ -107,8 +111,9 @@ class DecodeGraphRunner:
             return False
         return len(hb.kv_slots) + rows - hb.num_requests <= self.kv_capacity
 
-    def static_context(self, rows: int, kv_width: int) -> ForwardContext:
-        """A context whose tensors are (views of) the static buffers, for `rows` rows."""
+    def static_context(self, rows: int, kv_width: int, shared_len: int = 0) -> ForwardContext:
+        """A context whose tensors are (views of) the static buffers, for `rows` rows; with the
+        shared-prefix path when shared_len > 0 (its length comes from the buffer)."""
         return ForwardContext(
             num_requests=rows,
             num_real=rows,
@@ -124,19 +129,23 @@ class DecodeGraphRunner:
             kv_offsets=self._kv_offsets[: rows + 1],
             last_token=self._last_token[:rows],
             scratch_slot=self.pool.scratch_slot,
+            shared_len=shared_len,
+            prefix_len=self._prefix_len if shared_len else None,
         )
 
-    def _load(self, hb: HostBatch) -> None:
+    def _load(self, hb: HostBatch, shared_len: int) -> None:
         """One host-to-device copy of the padded step, then device-side copies into the
         buffers (rows past the bucket and slot-list entries past its end are never read)."""
         rows, s = hb.num_requests, len(hb.kv_slots)
         arrays = [hb.token_ids, hb.positions, hb.out_slots, hb.kv_offsets, hb.kv_slots]
-        tok, pos, out, kv_off, kv = to_device(arrays, self._tokens.device)
+        arrays.append(np.array([shared_len], dtype=np.int64))
+        tok, pos, out, kv_off, kv, shared = to_device(arrays, self._tokens.device)
         self._tokens[:rows].copy_(tok)
         self._positions[:rows].copy_(pos)
         self._out_slots[:rows].copy_(out)
         self._kv_offsets[: rows + 1].copy_(kv_off)
         self._kv_slots[:s].copy_(kv)
+        self._prefix_len.copy_(shared)
 
     @torch.inference_mode()
     def run(self, hb: HostBatch) -> ForwardOutput:
@@ -149,51 +158,58 @@ class DecodeGraphRunner:
         assert rows is not None
         hbp = hb.padded(rows, self.pool.scratch_slot)
         width = decode_kv_width(int(np.diff(hbp.kv_offsets).max()))
-        self._load(hbp)
+        shared = hbp.shared_prefix_len() if self.backend.shares_prefix else 0
+        self._load(hbp, shared)
         if self.use_graphs:
-            graph, out = self._graphs.get(self._key(rows, width)) or self._capture(rows, width)
+            key = self._key(rows, width, shared > 0)
+            graph, out = self._graphs.get(key) or self._capture(*key)
             graph.replay()
             self.replays += 1
         else:
             out = self.model.forward_context(
-                self.static_context(rows, width), self.pool, self.backend
+                self.static_context(rows, width, shared), self.pool, self.backend
             )
         return dataclasses.replace(
             out, logits=out.logits[:b].clone(), hidden=out.hidden[:b].clone()
         )
 
-    def _key(self, rows: int, width: int) -> tuple[int, int]:
-        return (rows, width if self.width_keyed else 0)
+    def _key(self, rows: int, width: int, shared: bool = False) -> tuple[int, int, bool]:
+        """A graph per bucket, per gather width on the torch path, with or without the
+        shared-prefix kernel (a batch without a common prefix does not pay for it)."""
+        return (rows, width if self.width_keyed else 0, shared)
 
-    def _capture(self, rows: int, width: int) -> tuple[Any, ForwardOutput]:
+    def _capture(self, rows: int, width: int, shared: bool = False) -> tuple[Any, ForwardOutput]:
         """Warm-up run (Triton compiles, cuBLAS plans) on a side stream, then the capture. Both
         run on whatever the buffers hold: the current step or padding rows, so the only K/V
         writes are the ones the replay makes anyway."""
         model, pool, backend = self.model, self.pool, self.backend
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
+        ctx_args = (rows, width, int(shared))  # a flag: the prefix length is in its buffer
         with torch.cuda.stream(stream):
-            model.forward_context(self.static_context(rows, width), pool, backend)
+            model.forward_context(self.static_context(*ctx_args), pool, backend)
         torch.cuda.current_stream().wait_stream(stream)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the routing engine's threaded mode runs the other model meanwhile.
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            out = model.forward_context(self.static_context(rows, width), pool, backend)
+            out = model.forward_context(self.static_context(*ctx_args), pool, backend)
         entry = (graph, out)
-        self._graphs[self._key(rows, width)] = entry
+        self._graphs[self._key(rows, width, shared)] = entry
         return entry
 
     @torch.inference_mode()
     def capture_all(self, widths: Sequence[int] = (KV_CHUNK,)) -> int:
         """Captures every bucket (largest first, so smaller graphs reuse its pool memory); the
-        torch path once per given gather width. Returns the number of graphs held."""
+        torch path once per given gather width; with and without the shared-prefix kernel when
+        the backend has one. Returns the number of graphs held."""
         if not self.use_graphs:
             raise ValueError("capture_all needs use_graphs")
         self._reset()
-        for w in widths if self.width_keyed else widths[:1]:
-            for rows in reversed(self.buckets):
-                if self._key(rows, w) not in self._graphs:
-                    self._capture(rows, w)
+        for shared in (False, True) if self.backend.shares_prefix else (False,):
+            for w in widths if self.width_keyed else widths[:1]:
+                for rows in reversed(self.buckets):
+                    if self._key(rows, w, shared) not in self._graphs:
+                        self._capture(rows, w, shared)
         return len(self._graphs)

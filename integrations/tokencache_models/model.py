@@ -184,7 +184,7 @@ class CausalLM(nn.Module):
         """Host work of one forward (lengths, padding, the backend's host plan), one copy to the
         device. Nothing after this reads device memory back on the host."""
         return ForwardContext.build(
-            batch, self.device, pool.scratch_slot, backend.plan, pad_rows_to
+            batch, self.device, pool.scratch_slot, backend.plan, pad_rows_to, backend.shares_prefix
         )
 
     @torch.inference_mode()

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_prefix import prefix_splits, shared_prefix_partials
 from .triton_splitkv import attend_block, kv_block, merge_splits
 
 # Programs to aim for: ~2 waves of a 132-SM GPU, as triton_decode.num_splits.
@@ -45,6 +46,7 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     Slots,
     QOff,
     KvOff,
+    Skip,
     sm_scale,
     splits,
     stride_qt,
@@ -69,6 +71,7 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     PARTIAL: tl.constexpr,  # write (acc, m, l) per split to Acc/M/L instead of Out
+    SKIP: tl.constexpr,  # the first Skip[0] slots are the shared prefix, read elsewhere
 ):
     b = tl.program_id(0)
     mb = tl.program_id(1) // splits
@@ -78,6 +81,11 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     q_len = tl.load(QOff + b + 1) - q0
     kv0 = tl.load(KvOff + b)
     kv_len = tl.load(KvOff + b + 1) - kv0
+    if SKIP:
+        # Causal limits are relative to the slot list's end, so dropping its head is enough.
+        skip = tl.minimum(tl.load(Skip), kv_len - q_len)
+        kv0 += skip
+        kv_len -= skip
     t0 = mb * TOKENS
 
     offs_r = tl.arange(0, ROWS)
@@ -171,32 +179,39 @@ def paged_varlen(
     block_n: int | None = None,
     *,
     splits: int | None = None,
+    prefix_len: torch.Tensor | None = None,
+    shared_len: int = 0,
 ) -> torch.Tensor:
     """q: [T, H, D] (request i's new tokens at q_offsets[i]:q_offsets[i+1]); k_cache/v_cache:
     [slots, KVH, D]; kv_slots / kv_offsets: each request's slot list, ending with its new tokens'
     slots; max_q_len: host-known max of the q lengths (sets the grid); rows / block_n: the tile
     (None: 64 x 64, or 32 x 32 for fp32 caches, whose IEEE dots spill at 64 x 64); splits: force the
-    split-KV count (None: varlen_grid's choice). Returns [T, H, D]."""
+    split-KV count (None: varlen_grid's choice); prefix_len: None, or a one-element device tensor
+    P (host value shared_len): every request's first P slots are request 0's
+    (HostBatch.shared_prefix_len), read once for the batch by the shared-prefix kernel and
+    skipped here. Returns [T, H, D]."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     bsz = q_offsets.numel() - 1
     block_n = block_n or kv_block(k_cache.dtype)
     rows = rows or kv_block(k_cache.dtype)  # the same rule: 64, or 32 for fp32's IEEE dots
+    kv_read = kv_slots.numel() - (bsz * shared_len if prefix_len is not None else 0)
     rows, tokens, m_blocks, auto = varlen_grid(
-        bsz, max_q_len, heads, kv_heads, kv_slots.numel(), rows, block_n
+        bsz, max_q_len, heads, kv_heads, kv_read, rows, block_n
     )
     splits = auto if splits is None else max(1, splits)
+    extra = 0 if prefix_len is None else prefix_splits(q.shape[0], heads, k_cache, shared_len)
     q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     out = torch.empty_like(q)  # contiguous, as the merge kernel assumes
-    partial = splits > 1
+    partial = splits + extra > 1
     if partial:
         # Every real row is written by every split (empty ones write m = -inf, l = 0).
         acc = torch.empty(
-            (q.shape[0], heads, splits, head_dim), device=q.device, dtype=torch.float32
+            (q.shape[0], heads, splits + extra, head_dim), device=q.device, dtype=torch.float32
         )
-        m = torch.empty((q.shape[0], heads, splits), device=q.device, dtype=torch.float32)
+        m = torch.empty((q.shape[0], heads, splits + extra), device=q.device, dtype=torch.float32)
         lse = torch.empty_like(m)
     else:
         acc = m = lse = out  # unused (PARTIAL=False)
@@ -212,6 +227,7 @@ def paged_varlen(
         kv_slots,
         q_offsets,
         kv_offsets,
+        kv_offsets if prefix_len is None else prefix_len,
         scale,
         splits,
         q.stride(0),
@@ -236,7 +252,12 @@ def paged_varlen(
         BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32,
         PARTIAL=partial,
+        SKIP=prefix_len is not None,
     )
+    if prefix_len is not None:
+        shared_prefix_partials(
+            q, k_cache, v_cache, kv_slots, kv_offsets, prefix_len, acc, m, lse, splits, scale
+        )
     if partial:
         merge_splits(acc, m, lse, out)
     return out

@@ -70,6 +70,13 @@ def test_every_runner_kernel_compiles_for_sm90(tmp_path: Path) -> None:
         for c in (r["constexprs"] for r in by_kernel["_paged_varlen_kernel"])
     }
     assert varlen == {(g, i, p) for g in (2, 4) for i in (False, True) for p in (False, True)}
+    # The shared-prefix path: the kernel at both GQA groups and precisions, and the decode and
+    # varlen kernels in their prefix-skipping variants.
+    prefix = {(c["GROUP"], c["IEEE"]) for c in (r["constexprs"] for r in by_kernel[
+        "_shared_prefix_kernel"])}  # fmt: skip
+    assert prefix == {(g, i) for g in (2, 4) for i in (False, True)}
+    for kernel in ("_paged_decode_kernel", "_paged_varlen_kernel"):
+        assert any(r["constexprs"]["SKIP"] for r in by_kernel[kernel]), kernel
     merge_widths = {r["constexprs"]["SPLITS_PAD"] for r in by_kernel["_merge_splits_kernel"]}
     assert merge_widths >= {1, 2, 4, 8, 16, 32}
     for r in rows:
@@ -77,6 +84,6 @@ def test_every_runner_kernel_compiles_for_sm90(tmp_path: Path) -> None:
         assert r["shared"] <= 232_448, r
     # The benchmarks' paths: bf16 attention kernels keep everything in registers (no local
     # memory) with the pinned triton.
-    attention = ("_paged_decode_kernel", "_paged_varlen_kernel")
+    attention = ("_paged_decode_kernel", "_paged_varlen_kernel", "_shared_prefix_kernel")
     bf16 = [r for r in rows if r["kernel"] in attention and r["signature"]["K"] == "*bf16"]
     assert len(bf16) >= 8 and all(r["local_bytes"] == 0 for r in bf16), bf16

@@ -183,6 +183,124 @@ assert auto == 8, auto
 print("OK")
 """
 
+PREFIX = r"""
+# Shared-prefix (cascade) attention: rows whose slot lists start with the same P slots read
+# them once through the prefix kernel; the per-row kernels skip them; one merge. Against the
+# torch path (every row reads its whole list) and against the kernels without the prefix path.
+from tokencache_models.context import HostBatch, shared_prefix_len
+from tokencache_models.triton_decode import paged_decode
+from tokencache_models.triton_varlen import paged_varlen
+
+def build(shared, tails, q_lens, kv_heads, head_dim, extra_rows=0):
+    # Requests share `shared` page-scattered slots, then own `tails[i]` slots, then q_lens[i] new.
+    total = shared + sum(tails) + sum(q_lens) + 8
+    kc = torch.randn(total + 1, kv_heads, head_dim)
+    vc = torch.randn(total + 1, kv_heads, head_dim)
+    perm = torch.randperm(total)
+    common, perm = perm[:shared], perm[shared:]
+    own, new = scattered_requests(perm, tails, q_lens)
+    pre = [torch.cat((common, o)) for o in own]
+    toks = [[0] * n for n in q_lens]
+    return ForwardBatch.from_requests(toks, pre, new), kc, vc
+
+
+def check(heads, kv_heads, head_dim, shared, tails, q_lens, expect_p=None, pad=0):
+    batch, kc, vc = build(shared, tails, q_lens, kv_heads, head_dim)
+    hb = HostBatch.from_batch(batch)
+    if pad:
+        hb = hb.padded(len(q_lens) + pad, kc.shape[0] - 1)
+    p = hb.shared_prefix_len(min_len=1)
+    assert p == (shared if expect_p is None else expect_p), (p, shared)
+    q = torch.randn(len(hb.token_ids), heads, head_dim)
+    scale = head_dim**-0.5
+    ref_batch = ForwardBatch(*(torch.from_numpy(a) for a in (
+        hb.token_ids, hb.positions, hb.out_slots, hb.q_offsets, hb.kv_slots, hb.kv_offsets)))
+    ref, ctx = torch_reference(ref_batch, q, kc, vc, scale)
+    slots, q_off, kv_off = ref_batch.kv_slots, ref_batch.q_offsets, ref_batch.kv_offsets
+    n = len(q_lens)
+    for plen in (p, 0):  # P = 0 on the prefix path: what a graph replays for a batch without one
+        dev_p = torch.tensor([plen])
+        if ctx.is_decode:
+            outs = [paged_decode(q, kc, vc, slots, kv_off, scale, block_n=16, prefix_len=dev_p),
+                    paged_decode(q, kc, vc, slots, kv_off, scale, block_n=16)]
+        else:
+            outs = [paged_varlen(q, kc, vc, slots, q_off, kv_off, scale, ctx.max_q_len, rows=16,
+                                 block_n=16, prefix_len=dev_p, shared_len=plen),
+                    paged_varlen(q, kc, vc, slots, q_off, kv_off, scale, ctx.max_q_len, rows=16,
+                                 block_n=16)]
+        real = int(q_off[n])  # padding rows are computed and dropped
+        for out in outs:
+            assert not out[:real].isnan().any()
+            err = (out[:real] - ref[:real]).abs().max().item()
+            assert err < 1e-4, (heads, kv_heads, shared, tails[:4], q_lens[:4], plen, err)
+
+
+# Decode, GQA 4 and 3 (padded to 4), odd head_dim; tails from none to several blocks.
+check(8, 2, 32, 200, [0, 5, 64, 130, 1], [1] * 5)
+check(6, 2, 24, 77, [3, 0, 40], [1] * 3)
+# Decode with padding rows (a CUDA-graph bucket): they keep their one scratch slot.
+check(4, 2, 16, 150, [2, 9, 30], [1] * 3, pad=5)
+# Long shared prefix (~8k), short tails, as a shared system prompt at 8k context.
+check(2, 1, 16, 8150, [31, 12, 40, 7], [1] * 4)
+# Catch-ups (several new tokens each) over a shared prefix; one with no own tail.
+check(4, 2, 16, 300, [0, 17, 3], [5, 12, 1])
+check(2, 1, 16, 2000, [100, 4], [10, 10])
+# Rows that diverge inside the prefix: P is the common part only.
+batch, kc, vc = build(100, [10, 10], [1, 1], 1, 16)
+slots = batch.kv_slots.clone()
+off = int(batch.kv_offsets[1])
+slots[off + 60] = int(slots[0])  # row 1 differs from row 0 at index 60
+assert shared_prefix_len(slots.numpy(), batch.kv_offsets.numpy(), batch.q_offsets.numpy(),
+                         min_len=1) == 60
+assert shared_prefix_len(slots.numpy(), batch.kv_offsets.numpy(), batch.q_offsets.numpy(),
+                         min_len=64) == 0
+
+# Whole model: four requests on one 100-token system prompt, decode and catch-up steps through
+# the Triton backend (prefix path on) against the torch backend, then the padded static decode
+# path (what a CUDA graph replays) against eager.
+import dataclasses
+from tokencache_models import QWEN3_0_6B, GreedyRunner, random_model
+from tokencache_models.graphs import DecodeGraphRunner
+
+cfg = dataclasses.replace(
+    QWEN3_0_6B, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+)
+runners = []
+system = [int(t) for t in torch.randint(0, 64, (100,))]
+for backend in ("triton", "torch"):
+    model = random_model(cfg, seed=0, std=0.2, attention_backend=backend)
+    r = GreedyRunner(model, model.make_kv_pool(512))
+    first = r.add_request(system + [1, 2, 3])
+    r.step([first])
+    rids = [first] + [r.add_request(system + [4 + i] * (i + 1), first, 100) for i in range(3)]
+    runners.append((model, r, rids))
+(tm, tr, rids), (_, rr, _) = runners
+tr.step(rids[1:]), rr.step(rids[1:])  # the others' own prompt tails
+shared_seen = []
+for step in range(4):
+    if step == 2:  # a catch-up: two requests get three tokens each from "the large model"
+        for run in (tr, rr):
+            run.extend(rids[0], [7, 8, 9])
+            run.extend(rids[2], [10, 11, 12])
+    batch = ForwardBatch.from_requests(
+        [tr.requests[i].pending for i in rids], [tr.requests[i].slots for i in rids],
+        [torch.zeros(len(tr.requests[i].pending), dtype=torch.int64) for i in rids])
+    shared_seen.append(tm.build_context(batch, tr.pool, tm.attention()).shared_len)
+    a, b = tr.step(rids), rr.step(rids)
+    err = (a.logits - b.logits).abs().max().item()
+    assert err < 1e-4, (step, err)
+    assert a.logits.argmax(-1).tolist() == b.logits.argmax(-1).tolist()
+assert shared_seen == [100] * 4, shared_seen  # the prefix path ran in every step
+hb = HostBatch.from_batch(ForwardBatch.from_requests(
+    [tr.requests[i].pending for i in rids], [tr.requests[i].slots for i in rids],
+    [tr.pool.alloc(1) for _ in rids]))
+static = DecodeGraphRunner(tm, tr.pool, tm.attention(), (8,), use_graphs=False).run(hb)
+eager = tm.forward_context(tm.build_context(hb, tr.pool, tm.attention()), tr.pool, tm.attention())
+assert (static.logits - eager.logits).abs().max().item() < 1e-4
+print("OK")
+"""
+
 NO_SYNC = r"""
 # The Triton path's host code reads no device value back: run a forward of a tiny model on the
 # interpreter with the sync methods of torch.Tensor patched to raise once the context is built.
@@ -317,6 +435,10 @@ def test_triton_varlen_kernel_in_interpreter() -> None:
 
 def test_triton_varlen_split_kv_in_interpreter() -> None:
     _run(SPLIT)
+
+
+def test_triton_shared_prefix_attention_in_interpreter() -> None:
+    _run(PREFIX)
 
 
 def test_triton_fusions_match_the_unfused_path_in_interpreter() -> None:
