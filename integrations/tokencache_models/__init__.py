@@ -13,6 +13,7 @@ from .context import (
     HostBatch,
     shared_prefix_len,
     shared_prefix_passes,
+    shared_prefix_pays,
 )
 from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool, SlotAllocator
@@ -61,5 +62,6 @@ __all__ = [
     "random_model",
     "shared_prefix_len",
     "shared_prefix_passes",
+    "shared_prefix_pays",
     "truncate_model",
 ]

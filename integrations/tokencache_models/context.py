@@ -44,6 +44,13 @@ def shared_prefix_passes(num_tokens: int, group: int) -> int:
     return -(-num_tokens // tokens)
 
 
+def shared_prefix_pays(rows: int, num_tokens: int, group: int) -> bool:
+    """Whether the shared-prefix kernel reads the prefix fewer times (one per block of query
+    rows) than the rows would (one each): always for decode batches of two rows or more; not for
+    prefills or catch-ups of many tokens per row, which read it per row instead."""
+    return shared_prefix_passes(num_tokens, group) < rows
+
+
 def shared_prefix_len(
     kv_slots: np.ndarray,
     kv_offsets: np.ndarray,
@@ -131,6 +138,14 @@ class HostBatch:
             self.kv_slots, self.kv_offsets, self.q_offsets, self.num_real, min_len
         )
 
+    def shared_prefix(self, group: int) -> int:
+        """P for the shared-prefix kernel at GQA group `group`: the real rows' common prefix
+        when reading it once per block of query rows pays (shared_prefix_pays), else 0."""
+        tokens = int(self.q_offsets[self.num_real])
+        if not shared_prefix_pays(self.num_real, tokens, group):
+            return 0
+        return self.shared_prefix_len()
+
     def padded(self, rows: int, scratch_slot: int) -> HostBatch:
         """Appends decode padding rows up to `rows`: token 0 at position 0, writing and reading
         only the scratch slot (a one-token context), so real rows are untouched."""
@@ -214,14 +229,14 @@ class ForwardContext:
         scratch_slot: int,
         plan: Any = None,
         pad_rows_to: int | None = None,
-        shared_prefix: bool = False,
+        shared_prefix_group: int = 0,
     ) -> ForwardContext:
         """Host work first (lengths, maxima, padding, the backend's host plan), then one copy.
 
         plan(host_batch) -> (dict of host facts, list of extra int64 arrays to move) lets the
         attention backend precompute its host-side tables; the moved arrays land in
-        ctx.host["arrays"] in the same order. shared_prefix: find the real rows' common prefix
-        (HostBatch.shared_prefix_len) for a backend that reads it once.
+        ctx.host["arrays"] in the same order. shared_prefix_group: the GQA group of a backend that
+        reads the real rows' common prefix once (HostBatch.shared_prefix); 0: it does not.
         """
         hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
         if pad_rows_to is not None:
@@ -242,7 +257,7 @@ class ForwardContext:
             hb.kv_offsets,
             hb.q_offsets[1:] - 1,
         ]
-        shared = hb.shared_prefix_len() if shared_prefix else 0
+        shared = hb.shared_prefix(shared_prefix_group) if shared_prefix_group else 0
         if shared:
             base.append(np.array([shared], dtype=np.int64))
         moved = to_device(base + list(extra), device)

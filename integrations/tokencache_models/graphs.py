@@ -57,6 +57,7 @@ class DecodeGraphRunner:
         # pool, the graphs and their memory freeable together when the caller drops the pool.
         self._pool = weakref.ref(pool)
         self.model, self.backend = model, backend
+        self.gqa_group = model.config.num_attention_heads // model.config.num_key_value_heads
         self.buckets = tuple(sorted(set(buckets)))
         self.max_rows = self.buckets[-1]
         device = model.device
@@ -158,7 +159,7 @@ class DecodeGraphRunner:
         assert rows is not None
         hbp = hb.padded(rows, self.pool.scratch_slot)
         width = decode_kv_width(int(np.diff(hbp.kv_offsets).max()))
-        shared = hbp.shared_prefix_len() if self.backend.shares_prefix else 0
+        shared = hbp.shared_prefix(self.gqa_group) if self.backend.shares_prefix else 0
         self._load(hbp, shared)
         if self.use_graphs:
             key = self._key(rows, width, shared > 0)

@@ -183,9 +183,11 @@ class CausalLM(nn.Module):
     ) -> ForwardContext:
         """Host work of one forward (lengths, padding, the backend's host plan), one copy to the
         device. Nothing after this reads device memory back on the host."""
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
         return ForwardContext.build(
-            batch, self.device, pool.scratch_slot, backend.plan, pad_rows_to, backend.shares_prefix
-        )
+            batch, self.device, pool.scratch_slot, backend.plan, pad_rows_to,
+            group if backend.shares_prefix else 0,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def forward(

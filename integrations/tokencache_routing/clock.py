@@ -10,8 +10,9 @@ kv_tokens is the KV slots the modelled runner reads. A runner with shared-prefix
 attention (`shared_prefix=True`) reads the P leading slot-list entries common to every row of a
 forward (tokencache_models.shared_prefix_len: a shared system prompt, P >= MIN_SHARED_PREFIX, at
 least two rows) once per block of query rows (tokencache_models.shared_prefix_passes) instead of
-once per row: sum(kv_lens) - rows*P + P*passes; without it every row reads its whole slot list,
-sum(kv_lens). `describe()` names the mode.
+once per row: sum(kv_lens) - rows*P + P*passes, when passes < rows (shared_prefix_pays: the
+runner's rule; long catch-ups and prefills read it per row); without it every row reads its
+whole slot list, sum(kv_lens). `describe()` names the mode.
 
 Profiles:
 - "h200-2026-11-30" (default): least-squares fit of cost = a + b*batch + c*new_tokens +
@@ -39,6 +40,7 @@ from tokencache_models import (
     ModelConfig,
     shared_prefix_len,
     shared_prefix_passes,
+    shared_prefix_pays,
 )
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -279,10 +281,13 @@ class GpuClock:
     def kv_read(self, kind: int, batch: int, new_tokens: int, kv_tokens: int, prefix: int) -> int:
         """KV slots the modelled runner reads for a forward of `batch` rows whose contexts hold
         kv_tokens slots in all, the first `prefix` (P) of every row the same: with
-        shared_prefix, kv_tokens - batch*P + P*passes (P read once per block of query rows);
+        shared_prefix, kv_tokens - batch*P + P*passes (P read once per block of query rows)
+        where that is fewer reads than one per row (shared_prefix_pays: the runner's own rule);
         otherwise (or P = 0) kv_tokens."""
         if not self.shared_prefix or prefix <= 0:
             return kv_tokens
+        if not shared_prefix_pays(batch, new_tokens, self.groups[kind]):
+            return kv_tokens  # the runner reads it per row then (HostBatch.shared_prefix)
         passes = shared_prefix_passes(new_tokens, self.groups[kind])
         return kv_tokens - batch * prefix + prefix * passes
 
