@@ -43,7 +43,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "integrations"))  # runs from a checkout without installing
 
-from tokencache_models import PRESETS, CausalLM, ForwardBatch, KVPool, random_model  # noqa: E402
+from tokencache_models import (  # noqa: E402
+    PRESETS,
+    CausalLM,
+    ForwardBatch,
+    KVPool,
+    TritonPagedAttention,
+    random_model,
+)
 from tokencache_models.config import ModelConfig  # noqa: E402
 from tokencache_models.context import HostBatch, shared_prefix_passes  # noqa: E402
 from tokencache_models.graphs import DecodeGraphRunner  # noqa: E402
@@ -361,6 +368,7 @@ def bench_model(
         checks.append(check_shared_prefix(model, pool, perm, shared_specs[0]))
 
     def timed(row: dict[str, Any], fn: Callable[[], Any], tokens: int, kv_tokens: int) -> None:
+        row["kv_tokens"] = kv_tokens  # KV slots the step reads at least (what the clock fits)
         if time.monotonic() > deadline:
             row["skipped"] = "time budget"
         else:
@@ -413,7 +421,10 @@ def bench_model(
                 break
             row = {"model": name, "kind": "shared decode", "path": path, "batch": bs}
             row.update(context=ctx, shared=shared)
+            # The bound: the least either path could read; the fit: what this path reads.
             timed(row, paths.call(path, batch), bs, kv_read)
+            if path == "graphs-per-row":
+                row["kv_tokens"] = bs * ctx
 
     first = [bs for bs in TARGET_BATCHES if bs in sizes]
     for bs in first:
@@ -496,6 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__,
         "dtype": str(dtype).replace("torch.", ""),
         "bandwidth_gbs": args.bandwidth_gbs,
+        # Whether the fast paths read a shared prefix once (GpuClock.fit reads this).
+        "shared_prefix_attention": cuda and TritonPagedAttention().shares_prefix,
         "smoke": args.smoke,
         "rows": rows,
         "checks": checks,

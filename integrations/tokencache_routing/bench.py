@@ -155,7 +155,7 @@ def run(
     clock: Any = "measured"
     shared_prefix = getattr(a, "shared_prefix", None)  # None: the profile's default
     if a.clock == "gpu" and a.profile.endswith(".json"):  # fresh GPU measurements, refitted
-        clock = GpuClock.fit(a.profile, *names, shared_prefix=bool(shared_prefix))
+        clock = GpuClock.fit(a.profile, *names, shared_prefix=shared_prefix)
     elif a.clock == "gpu":
         clock = GpuClock(*names, profile=a.profile, shared_prefix=shared_prefix)
     if mode == "threaded":

@@ -174,13 +174,16 @@ def _fit_linear(pts: list[dict[str, Any]]) -> Linear:
 def rows_from_decode_step(result: dict[str, Any]) -> list[dict[str, Any]]:
     """decode_step.py's rows in the fit's format: per shape the fastest path (the runner uses
     CUDA graphs where a decode bucket fits, eager otherwise), new_tokens as the forward's total
-    (decode_step gives a catch-up's tokens per request); skipped and failed rows left out."""
+    (decode_step gives a catch-up's tokens per request), context as the KV slots the step
+    read per row (kv_tokens / batch: a shared-decode row's prefix counts once per pass);
+    skipped and failed rows left out."""
     best: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in result["rows"]:
         if "step_ms" not in r:
             continue
         total = r["batch"] * r.get("new_tokens", 1)
-        key = (r["model"], r["batch"], total, r["context"])
+        context = r.get("kv_tokens", r["batch"] * r["context"]) / r["batch"]
+        key = (r["model"], r["batch"], total, context)
         if key not in best or r["step_ms"] < best[key]["step_ms"]:
             best[key] = {
                 "model": r["model"],
@@ -188,7 +191,7 @@ def rows_from_decode_step(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "kind": r["kind"],
                 "batch": r["batch"],
                 "new_tokens": total,
-                "context": r["context"],
+                "context": context,
                 "step_ms": r["step_ms"],
                 "source": f"decode_step.py, path {r['path']}",
             }
@@ -250,11 +253,13 @@ class GpuClock:
         return ForwardCost(name, roof, roof)
 
     @classmethod
-    def fit(cls, path: str | Path, small: str, large: str, shared_prefix: bool = False) -> GpuClock:
+    def fit(
+        cls, path: str | Path, small: str, large: str, shared_prefix: bool | None = None
+    ) -> GpuClock:
         """A clock fitted to another measurements file: data/*.json's row format, or what
         benches/gpu/decode_step.py writes (its runs under benches/gpu/results/).
-        shared_prefix: whether the measured runner read a shared prefix once (say so when its
-        measurements were taken with shared-prefix attention on)."""
+        shared_prefix: whether the measured runner read a shared prefix once; None: what the
+        file says (decode_step.py records "shared_prefix_attention"), else False."""
         clock = cls.__new__(cls)
         clock.small_name, clock.large_name, clock.profile = small, large, str(path)
         data = json.loads(Path(path).read_text())
@@ -265,6 +270,8 @@ class GpuClock:
             )
         rows = rows_from_decode_step(data) if "checks" in data else data["rows"]
         clock.costs = (_fit(rows, small), _fit(rows, large))
+        if shared_prefix is None:
+            shared_prefix = bool(data.get("shared_prefix_attention", False))
         clock._set_shared_prefix(shared_prefix)
         return clock
 

@@ -182,6 +182,37 @@ def test_fit_reads_what_the_gpu_decode_bench_writes(tmp_path: Path) -> None:
     )
 
 
+def test_fit_prices_shared_decode_rows_by_the_kv_they_read(tmp_path: Path) -> None:
+    """A GPU run of the shared-prefix runner: its shared-decode rows enter the fit with the KV
+    they read (kv_tokens: the prefix once per pass), and the file's shared_prefix_attention
+    switches the fitted clock's mode on. Times here follow a + b*batch + d*kv_read exactly, so
+    a fit that took those rows at their nominal context could not reproduce them."""
+    a, b, d = 0.002, 1e-5, 2e-9
+    rows: list[dict[str, Any]] = []
+    for model in ("qwen3-0.6b", "qwen3-8b"):
+        for batch in (1, 8, 32):
+            rows.append({"model": model, "kind": "decode", "path": "graphs", "batch": batch,
+                         "context": 2048, "kv_tokens": batch * 2048,
+                         "step_ms": 1e3 * (a + b * batch + d * batch * 2048)})  # fmt: skip
+        for ctx in (2048, 8192):
+            p, group = ctx - 160, 2 if model == "qwen3-0.6b" else 4
+            kv = 32 * 160 + p * shared_prefix_passes(32, group)
+            rows.append({"model": model, "kind": "shared decode", "path": "graphs", "batch": 32,
+                         "context": ctx, "shared": p, "kv_tokens": kv,
+                         "step_ms": 1e3 * (a + b * 32 + d * kv)})  # fmt: skip
+    path = tmp_path / "nvidia-h200-2026-12-02.json"
+    data = {"device": "NVIDIA H200", "rows": rows, "checks": [], "shared_prefix_attention": True}
+    path.write_text(json.dumps(data))
+    clock = GpuClock.fit(path, "qwen3-0.6b", "qwen3-8b")
+    assert clock.shared_prefix
+    p = 8192 - 160
+    for kind, group in ((SMALL, 2), (LARGE, 4)):
+        kv = 32 * 160 + p * shared_prefix_passes(32, group)
+        got = clock.forward_s(kind, 32, 32, 32 * 8192, p)
+        assert got == pytest.approx(a + b * 32 + d * kv, rel=1e-6)
+    assert not GpuClock.fit(path, "qwen3-0.6b", "qwen3-8b", shared_prefix=False).shared_prefix
+
+
 def test_two_devices_late_submission_does_not_stall_the_running_batch(pair: Any) -> None:
     """A request submitted while a catch-up is in flight is stamped with the large model's
     later clock; it waits for the small clock to get there, and the requests already decoding
