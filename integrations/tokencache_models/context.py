@@ -32,8 +32,9 @@ KV_CHUNK = 64
 # one K/V block of the Triton kernels; shorter ones are read per request as before.
 MIN_SHARED_PREFIX = 64
 # Query rows (new tokens x the GQA group padded to a power of two) per program of the Triton
-# shared-prefix kernel: each program reads the whole prefix once (its share of the splits).
-PREFIX_ROWS = 64
+# shared-prefix kernel (16-bit caches; 8 warps, as flash-attention's 128-row tiles): each
+# program reads the whole prefix once (its share of the splits).
+PREFIX_ROWS = 128
 
 
 def shared_prefix_passes(num_tokens: int, group: int) -> int:

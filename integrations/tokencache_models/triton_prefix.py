@@ -205,4 +205,5 @@ def shared_prefix_partials(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32,
+        num_warps=8 if rows >= 128 else 4,  # a 128 x HEAD_DIM fp32 accumulator over 8 warps
     )

@@ -64,14 +64,14 @@ def test_shared_prefix_len_matches_naive(
 
 
 def test_passes_and_when_the_prefix_kernel_pays() -> None:
-    # 64 query rows per program: 32 tokens of a group of 2, 16 of a group of 4 (or 3).
-    assert [shared_prefix_passes(t, 2) for t in (1, 32, 33, 64)] == [1, 1, 2, 2]
-    assert [shared_prefix_passes(t, 4) for t in (16, 17, 100)] == [1, 2, 7]
+    # 128 query rows per program: 64 tokens of a group of 2, 32 of a group of 4 (or 3).
+    assert [shared_prefix_passes(t, 2) for t in (1, 64, 65, 128)] == [1, 1, 2, 2]
+    assert [shared_prefix_passes(t, 4) for t in (32, 33, 100)] == [1, 2, 4]
     assert shared_prefix_passes(5, 3) == shared_prefix_passes(5, 4)
     assert all(shared_prefix_pays(b, b, g) for b in range(2, 257) for g in (1, 2, 4, 8))
     assert not shared_prefix_pays(1, 1, 2)  # one row: nothing to share
-    assert shared_prefix_pays(10, 100, 4)  # catch-up of 10 x 10: 7 passes
-    assert not shared_prefix_pays(2, 600, 2)  # prefill of 2 x 300: 19 passes
+    assert shared_prefix_pays(10, 100, 4)  # catch-up of 10 x 10: 4 passes
+    assert not shared_prefix_pays(2, 600, 2)  # prefill of 2 x 300: 10 passes
 
 
 def test_context_carries_the_prefix_to_the_device() -> None:
@@ -85,7 +85,7 @@ def test_context_carries_the_prefix_to_the_device() -> None:
     assert ForwardContext.build(decode, torch.device("cpu"), 999).shared_len == 0  # off
     padded = HostBatch.from_batch(decode).padded(8, 999)  # padding rows do not count
     assert padded.shared_prefix(2) == 100
-    # Two long prefills over the prefix: reading it per row is cheaper than 19 passes.
+    # Two long prefills over the prefix: reading it per row is cheaper than 10 passes.
     prefill = ForwardBatch.from_requests(
         [[1] * 300] * 2,
         [common, common],

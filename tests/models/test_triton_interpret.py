@@ -245,6 +245,12 @@ check(2, 1, 16, 8150, [31, 12, 40, 7], [1] * 4)
 # Catch-ups (several new tokens each) over a shared prefix; one with no own tail.
 check(4, 2, 16, 300, [0, 17, 3], [5, 12, 1])
 check(2, 1, 16, 2000, [100, 4], [10, 10])
+# The 16-bit caches' tile (128 rows: 64 tokens of a group of 2) on fp32 data: 70 decode rows
+# make two query blocks, the second one mostly past the last token.
+import tokencache_models.triton_prefix as triton_prefix
+triton_prefix.prefix_rows = lambda dtype: 128
+check(4, 2, 16, 90, [i % 5 for i in range(70)], [1] * 70)
+check(4, 2, 16, 90, [3, 0, 9], [40, 30, 2])
 # Rows that diverge inside the prefix: P is the common part only.
 batch, kc, vc = build(100, [10, 10], [1, 1], 1, 16)
 slots = batch.kv_slots.clone()

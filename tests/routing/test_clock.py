@@ -274,7 +274,7 @@ def test_kv_term_reads_a_shared_prefix_once_per_pass(profile: str, q_len: int) -
     for kind, name in ((SMALL, "qwen3-0.6b"), (LARGE, "qwen3-8b")):
         cfg = PRESETS[name]
         passes = shared_prefix_passes(tokens, cfg.num_attention_heads // cfg.num_key_value_heads)
-        assert passes == (1 if q_len == 1 else -(-tokens // (16 if kind == LARGE else 32)))
+        assert passes == (1 if q_len == 1 else -(-tokens // (32 if kind == LARGE else 64)))
         want = total - n * p + p * passes if passes < n else total
         assert on.kv_read(kind, n, tokens, total, p) == want
         assert on.forward_s(kind, n, tokens, total, p) == on.costs[kind](n, tokens, want)
@@ -350,9 +350,10 @@ def test_shared_floor_is_tight_so_an_overstated_one_fails(kind: int) -> None:
     shared prefix more often (per row, or one pass more) is above what a schedule paid, and
     the bound check above would catch it."""
     clock = GpuClock(profile="h200-roofline")
-    n, shareable, own = 32, 8000, 150
-    passes = 1 if kind == SMALL else 2  # 32 (0.6B, group 2) or 16 (8B, group 4) rows a pass
+    shareable, own = 8000, 150
+    n = 64 if kind == LARGE else 128  # two passes: 32 (8B, group 4) or 64 (0.6B) rows a pass
     total_kv = n * (shareable + own)
+    passes = 2
     paid = clock.forward_s(kind, n, n, total_kv, shareable)
     least = clock.least_kv_read(kind, total_kv, n, shareable)
     assert least == total_kv - (n - passes) * shareable
