@@ -251,20 +251,35 @@ def bound_ms(wbytes: int, kv_tokens: int, kv_tok_bytes: int, gbs: float) -> floa
 
 
 def check_graphs_vs_eager(
-    config: ModelConfig, device: torch.device, steps: int, batch: int, prompt: int, cuda: bool
+    config: ModelConfig,
+    device: torch.device,
+    steps: int,
+    batch: int,
+    prompt: int,
+    cuda: bool,
+    paths: tuple[str, str] = ("eager", "graphs"),
+    shared: int = 0,
 ) -> dict[str, Any]:
-    """fp32 model: greedy decode of `batch` requests for `steps` steps, eager vs graphs, each in
+    """fp32 model: greedy decode of `batch` requests for `steps` steps, paths[0] vs paths[1]
+    (eager vs graphs; or graphs-per-row vs graphs, the shared-prefix kernel's check), each in
     its own pool from the same prefill; max |logit diff| over all steps and whether every greedy
-    token agrees (each path feeds back its own tokens)."""
+    token agrees (each path feeds back its own tokens). shared: the requests' prompts share
+    their first `shared` tokens, whose slots every request reads (one system prompt)."""
     model = random_model(config, device, torch.float32, seed=1, std=0.05)
     model.decode_graphs = False
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, config.vocab_size, (prompt,), generator=g) for _ in range(batch)]
+    own = prompt - shared
+    system = torch.randint(0, config.vocab_size, (shared,), generator=g)
+    prompts = [torch.randint(0, config.vocab_size, (own,), generator=g) for _ in range(batch)]
     sides: list[dict[str, Any]] = []
-    for path in ("eager", "graphs"):
-        pool = model.make_kv_pool(batch * (prompt + steps) + 8)
-        slots = [pool.alloc(prompt) for _ in range(batch)]
-        out = model(ForwardBatch.from_requests(prompts, [[]] * batch, slots), pool, "torch")
+    for path in paths:
+        pool = model.make_kv_pool(shared + batch * (own + steps) + 8)
+        common = pool.alloc(shared)
+        if shared:
+            model(ForwardBatch.from_requests([system], [[]], [common]), pool, "torch")
+        slots = [pool.alloc(own) for _ in range(batch)]
+        out = model(ForwardBatch.from_requests(prompts, [common] * batch, slots), pool, "torch")
+        slots = [torch.cat((common, s)) for s in slots]
         sides.append(
             {
                 "path": path,
@@ -288,7 +303,8 @@ def check_graphs_vs_eager(
         same_tokens &= sides[0]["tokens"] == sides[1]["tokens"]
     runner = sides[1]["paths"].runner()
     return {
-        "check": "graphs vs eager, fp32",
+        "check": f"{paths[1]} vs {paths[0]}, fp32"
+        + (f", {shared}-token shared prompt" * bool(shared)),
         "batch": batch,
         "steps": steps,
         "max_abs_logit_diff": max_diff,
@@ -482,7 +498,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     name0 = args.models.split(",")[0]
     check_cfg = SMOKE_CONFIG if args.smoke else PRESETS[name0]
     checks = [check_graphs_vs_eager(check_cfg, device, args.check_steps, 8, 64, cuda)]
-    print(json.dumps(checks[0]), flush=True)
+    # The shared-prefix kernel against every row reading its whole list (graphs both).
+    shared = 256 if not args.smoke else 8
+    per_row = ("graphs-per-row", "graphs")
+    checks.append(
+        check_graphs_vs_eager(
+            check_cfg, device, args.check_steps, 8, shared + 8, cuda, per_row, shared
+        )
+    )
+    for c in checks:
+        print(json.dumps(c), flush=True)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

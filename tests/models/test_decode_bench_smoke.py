@@ -40,9 +40,10 @@ def test_smoke_run_writes_every_row_and_passes_its_checks(tmp_path: Path) -> Non
     for r in rows:
         assert {"model", "path", "batch", "context", "step_ms"} <= set(r), r
         assert r["step_ms"] > 0 and r["bound_fraction"] > 0 and r["bound_ms"] > 0
-    graphs_check = result["checks"][0]
+    graphs_check, shared_check = result["checks"][:2]
     assert graphs_check["ok"] and graphs_check["greedy_tokens_identical"]
     assert graphs_check["max_abs_logit_diff"] <= 1e-4
+    assert "graphs vs graphs-per-row" in shared_check["check"] and shared_check["ok"]
     # The routing engine's GPU clock refits from this very file (as a GPU session would).
     from tokencache_routing import GpuClock
 
