@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .context import PREFIX_ROWS
-from .triton_splitkv import attend_block, kv_block
+from .triton_splitkv import attend_block, kv_block, load_query_block, store_partial
 
 # Programs to aim for (~2 waves of a 132-SM GPU, as the other kernels) and a cap on splits.
 SPLIT_TARGET = 264
@@ -73,19 +73,11 @@ def _shared_prefix_kernel(  # type: ignore[no-untyped-def]
     lo = split * per_split
     hi = tl.minimum(lo + per_split, plen)
 
-    offs_r = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, BLOCK_D)
+    q, tok, head, row_ok, offs_d, d_mask = load_query_block(
+        Q, 0, mb * TOKENS, num_tokens, kvh, stride_qt, stride_qh, ROWS, GROUP, GROUP_PAD,
+        HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
-    tok = mb * TOKENS + offs_r // GROUP_PAD
-    g = offs_r % GROUP_PAD
-    row_ok = (tok < num_tokens) & (g < GROUP)
-    d_mask = offs_d < HEAD_DIM
-    head = kvh * GROUP + g
-    q = tl.load(
-        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_mask[None, :],
-        other=0.0,
-    )
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -96,17 +88,10 @@ def _shared_prefix_kernel(  # type: ignore[no-untyped-def]
             acc, m_i, l_i, q, K, V, Slots + base, cols, n_mask, n_mask[None, :], kvh, offs_d,
             d_mask, sm_scale, stride_ks, stride_kh, stride_vs, stride_vh, IEEE,
         )  # fmt: skip
-
-    col = split0 + split
-    tl.store(
-        Acc + tok[:, None] * stride_at + head[:, None] * stride_ah + col * stride_as
-        + offs_d[None, :],
-        acc,
-        mask=row_ok[:, None] & d_mask[None, :],
+    store_partial(
+        Acc, M, L, acc, m_i, l_i, tok, head, split0 + split, row_ok, offs_d, d_mask, stride_at,
+        stride_ah, stride_as, stride_mt, stride_mh,
     )  # fmt: skip
-    row = tok * stride_mt + head * stride_mh + col
-    tl.store(M + row, m_i, mask=row_ok)
-    tl.store(L + row, l_i, mask=row_ok)
 
 
 def prefix_rows(dtype: torch.dtype) -> int:

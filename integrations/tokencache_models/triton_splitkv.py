@@ -1,5 +1,6 @@
-"""What both Triton paged-attention kernels share: one online-softmax step over a block of K/V
-slots, and the merge of split-KV partials (flash-decoding).
+"""What the Triton paged-attention kernels share: a block of query rows (tokens x GQA group),
+one online-softmax step over a block of K/V slots, partial results per split and their merge
+(flash-decoding).
 
 Imported lazily with them, on CUDA or under TRITON_INTERPRET=1.
 """
@@ -18,6 +19,72 @@ def kv_block(dtype: torch.dtype) -> int:
     also needs 255 registers and 0.8 KB); at 32, nothing with 3.9, 0.75 KB (varlen split-KV)
     with 3.6."""
     return 64 if dtype.itemsize <= 2 else 32
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def load_query_block(  # type: ignore[no-untyped-def]
+    Q,
+    q0,
+    t0,
+    q_len,
+    kvh,
+    stride_qt,
+    stride_qh,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """ROWS query rows: tokens t0, t0 + 1, ... (of q_len, stored from row q0 of Q) x the kv
+    head's GQA group (padded to GROUP_PAD), so K/V are loaded once for the whole group.
+    Returns (q, tok, head, row_ok, offs_d, d_mask)."""
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = t0 + offs_r // GROUP_PAD
+    g = offs_r % GROUP_PAD
+    row_ok = (tok < q_len) & (g < GROUP)
+    d_mask = offs_d < HEAD_DIM
+    head = kvh * GROUP + g
+    q = tl.load(
+        Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    return q, tok, head, row_ok, offs_d, d_mask
+
+
+@triton.jit
+def store_partial(  # type: ignore[no-untyped-def]
+    Acc,
+    M,
+    L,
+    acc,
+    m_i,
+    l_i,
+    token,
+    head,
+    col,
+    row_ok,
+    offs_d,
+    d_mask,
+    stride_at,
+    stride_ah,
+    stride_as,
+    stride_mt,
+    stride_mh,
+):
+    """Writes rows' unnormalised (acc, max, sum) into split column `col` of Acc [T, H, S, D]
+    and M / L [T, H, S] (token: each row's index in T) for merge_splits."""
+    tl.store(
+        Acc + token[:, None] * stride_at + head[:, None] * stride_ah + col * stride_as
+        + offs_d[None, :],
+        acc,
+        mask=row_ok[:, None] & d_mask[None, :],
+    )  # fmt: skip
+    row = token * stride_mt + head * stride_mh + col
+    tl.store(M + row, m_i, mask=row_ok)
+    tl.store(L + row, l_i, mask=row_ok)
 
 
 @triton.jit  # type: ignore[untyped-decorator]

@@ -24,7 +24,13 @@ import triton
 import triton.language as tl
 
 from .triton_prefix import prefix_splits, shared_prefix_partials
-from .triton_splitkv import attend_block, kv_block, merge_splits
+from .triton_splitkv import (
+    attend_block,
+    kv_block,
+    load_query_block,
+    merge_splits,
+    store_partial,
+)
 
 # Programs to aim for: ~2 waves of a 132-SM GPU, as triton_decode.num_splits.
 SPLIT_TARGET = 264
@@ -88,19 +94,10 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
         kv_len -= skip
     t0 = mb * TOKENS
 
-    offs_r = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    tok = t0 + offs_r // GROUP_PAD
-    g = offs_r % GROUP_PAD
-    row_ok = (tok < q_len) & (g < GROUP)
-    d_mask = offs_d < HEAD_DIM
-    head = kvh * GROUP + g
-    q = tl.load(
-        Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_mask[None, :],
-        other=0.0,
+    q, tok, head, row_ok, offs_d, d_mask = load_query_block(
+        Q, q0, t0, q_len, kvh, stride_qt, stride_qh, ROWS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D
     )
+    offs_n = tl.arange(0, BLOCK_N)
     limit = kv_len - q_len + tok  # last slot-list index each row may attend to
     # Columns this block needs: up to its last token's limit; none when it has no tokens.
     last_tok = tl.minimum(t0 + TOKENS, q_len) - 1
@@ -123,18 +120,10 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
 
     if PARTIAL:
-        row = (q0 + tok) * stride_mt + head * stride_mh + split
-        tl.store(
-            Acc
-            + (q0 + tok)[:, None] * stride_at
-            + head[:, None] * stride_ah
-            + split * stride_as
-            + offs_d[None, :],
-            acc,
-            mask=row_ok[:, None] & d_mask[None, :],
-        )
-        tl.store(M + row, m_i, mask=row_ok)
-        tl.store(L + row, l_i, mask=row_ok)
+        store_partial(
+            Acc, M, L, acc, m_i, l_i, q0 + tok, head, split, row_ok, offs_d, d_mask, stride_at,
+            stride_ah, stride_as, stride_mt, stride_mh,
+        )  # fmt: skip
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
