@@ -52,8 +52,9 @@ from tokencache_models import (  # noqa: E402
     random_model,
 )
 from tokencache_models.config import ModelConfig  # noqa: E402
-from tokencache_models.context import HostBatch, shared_prefix_passes  # noqa: E402
+from tokencache_models.context import HostBatch  # noqa: E402
 from tokencache_models.graphs import DecodeGraphRunner  # noqa: E402
+from tokencache_models.prefix_plan import PrefixShape  # noqa: E402
 
 # The batch sizes issue 9's targets name: timed first, so a short budget still measures them.
 TARGET_BATCHES = (1, 32)
@@ -150,19 +151,16 @@ def decode_batch(bs: int, context: int, perm: torch.Tensor, vocab: int) -> Forwa
 
 
 def shared_decode_batch(
-    bs: int, context: int, own: int, perm: torch.Tensor, vocab: int
+    bs: int, context: int, own: int, perm: torch.Tensor, vocab: int, new: int = 1
 ) -> ForwardBatch:
-    """bs decode requests whose slot lists start with the same context - own slots, then own
-    slots of their own (the last one new)."""
+    """bs requests whose slot lists start with the same context - own slots, then own slots
+    of their own, the last `new` of them new (1: a decode step; more: a catch-up)."""
     shared = context - own
     common, slots = perm[:shared], perm[shared : shared + bs * own].view(bs, own)
-    return ForwardBatch(
-        token_ids=torch.randint(0, vocab, (bs,), dtype=torch.int64),
-        positions=torch.full((bs,), context - 1, dtype=torch.int64),
-        out_slots=slots[:, -1].contiguous(),
-        q_offsets=torch.arange(bs + 1, dtype=torch.int64),
-        kv_slots=torch.cat([torch.cat((common, s)) for s in slots]),
-        kv_offsets=torch.arange(bs + 1, dtype=torch.int64) * context,
+    return ForwardBatch.from_requests(
+        [torch.randint(0, vocab, (new,)) for _ in range(bs)],
+        [torch.cat((common, s[:-new])) for s in slots],
+        [s[-new:] for s in slots],
     )
 
 
@@ -329,25 +327,33 @@ def check_catchup_paths(
 
 
 def check_shared_prefix(
-    model: CausalLM, pool: KVPool, perm: torch.Tensor, spec: tuple[int, int, int]
+    model: CausalLM, pool: KVPool, perm: torch.Tensor, spec: tuple[int, int, int], new: int
 ) -> dict[str, Any]:
-    """A decode step over a shared prefix: the prefix kernel's logits against every row reading
-    its whole slot list (same kernels otherwise) and against the torch path."""
+    """A decode step (new = 1) or a catch-up (new tokens per request) over a shared prefix, in
+    the bench's dtype: the shared-prefix path's logits against every row reading its whole
+    slot list (the same kernels otherwise) and both against the torch path. ok: the prefix
+    path is no further from torch than the per-row path is (twice that, plus 1e-3 of the
+    logits' scale: bf16 rounds differently along each path, so no absolute tolerance fits)."""
     bs, ctx, own = spec
-    batch = shared_decode_batch(bs, ctx, own, perm, model.config.vocab_size)
+    batch = shared_decode_batch(bs, ctx, own, perm, model.config.vocab_size, new)
     fast = model.attention("triton" if model.device.type == "cuda" else "torch")
     shares = fast.shares_prefix
     outs = []
     for on in (True, False):
         fast.shares_prefix = shares and on
-        outs.append(model(batch, pool, fast.name).logits)
+        outs.append(model(batch, pool, fast.name).logits.float())
     fast.shares_prefix = shares
-    ref = model(batch, pool, "torch").logits
+    ref = model(batch, pool, "torch").logits.float()
+    prefix_err = (outs[0] - ref).abs().max().item()
+    per_row_err = (outs[1] - ref).abs().max().item()
+    kind = "decode" if new == 1 else f"catch-up x{new}"
     return {
-        "check": f"shared decode {bs}x{ctx}/{own}: prefix kernel vs per-row, torch ({model.dtype})",
+        "check": f"shared {kind} {bs}x{ctx}/{own}: prefix path vs per-row, torch ({model.dtype})",
         "max_abs_logit_diff_per_row": (outs[0] - outs[1]).abs().max().item(),
-        "max_abs_logit_diff_torch": (outs[0] - ref).abs().max().item(),
+        "max_abs_logit_diff_torch": prefix_err,
+        "per_row_max_abs_logit_diff_torch": per_row_err,
         "argmax_equal_torch": bool(torch.equal(outs[0].argmax(-1), ref.argmax(-1))),
+        "ok": prefix_err <= 2 * per_row_err + 1e-3 * ref.abs().max().item(),
     }
 
 
@@ -381,7 +387,10 @@ def bench_model(
     rows: list[dict[str, Any]] = []
     checks = [check_catchup_paths(model, pool, perm, catchups[0])] if catchups else []
     if shared_specs:
-        checks.append(check_shared_prefix(model, pool, perm, shared_specs[0]))
+        # A decode step and a catch-up of 10 tokens each (the varlen kernel's skipping path).
+        bs, ctx, own = shared_specs[0]
+        checks.append(check_shared_prefix(model, pool, perm, shared_specs[0], 1))
+        checks.append(check_shared_prefix(model, pool, perm, (bs, ctx, max(own, 11)), 10))
 
     def timed(row: dict[str, Any], fn: Callable[[], Any], tokens: int, kv_tokens: int) -> None:
         row["kv_tokens"] = kv_tokens  # KV slots the step reads at least (what the clock fits)
@@ -429,9 +438,9 @@ def bench_model(
     def shared_decode(bs: int, ctx: int, own: int) -> None:
         batch = shared_decode_batch(bs, ctx, own, perm, config.vocab_size)
         shared = HostBatch.from_batch(batch).shared_prefix_len()
-        group = config.num_attention_heads // config.num_key_value_heads
         # The least KV a step must read: each row's own slots, the prefix once per kernel pass.
-        kv_read = bs * (ctx - shared) + shared * shared_prefix_passes(bs, group)
+        passes = PrefixShape.of(config, dtype.itemsize).passes(bs)
+        kv_read = bs * (ctx - shared) + shared * passes
         for path in ("graphs", "graphs-per-row"):
             if "graphs" not in args.paths.split(","):
                 break

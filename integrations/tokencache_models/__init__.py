@@ -7,14 +7,7 @@ per-model slot pool; prefix slots may be shared between requests (read, never re
 from .attention import TorchPagedAttention, TritonPagedAttention, make_attention_backend
 from .batch import ForwardBatch
 from .config import PRESETS, QWEN3_0_6B, QWEN3_8B, QWEN3_32B, ModelConfig
-from .context import (
-    MIN_SHARED_PREFIX,
-    ForwardContext,
-    HostBatch,
-    shared_prefix_len,
-    shared_prefix_passes,
-    shared_prefix_pays,
-)
+from .context import ForwardContext, HostBatch, shared_prefix_len
 from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool, SlotAllocator
 from .loader import (
@@ -30,6 +23,7 @@ from .loader import (
     truncate_model,
 )
 from .model import CausalLM, ForwardOutput
+from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 from .runner import GreedyRunner
 
 __all__ = [
@@ -48,6 +42,7 @@ __all__ = [
     "HostBatch",
     "KVPool",
     "ModelConfig",
+    "PrefixShape",
     "SlotAllocator",
     "TorchPagedAttention",
     "TritonPagedAttention",
@@ -61,7 +56,5 @@ __all__ = [
     "model_from_state_dict",
     "random_model",
     "shared_prefix_len",
-    "shared_prefix_passes",
-    "shared_prefix_pays",
     "truncate_model",
 ]

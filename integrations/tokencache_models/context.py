@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .batch import ForwardBatch
+from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 
 if TYPE_CHECKING:
     from .kv_pool import KVPool
@@ -28,28 +29,6 @@ DEFAULT_DECODE_BUCKETS: tuple[int, ...] = (
 )
 # KV chunk of the torch decode path: gathers are padded to KV_CHUNK * 2**k columns.
 KV_CHUNK = 64
-# The shortest common prefix worth reading once for the whole batch (shared-prefix attention):
-# one K/V block of the Triton kernels; shorter ones are read per request as before.
-MIN_SHARED_PREFIX = 64
-# Query rows (new tokens x the GQA group padded to a power of two) per program of the Triton
-# shared-prefix kernel (16-bit caches; 8 warps, as flash-attention's 128-row tiles): each
-# program reads the whole prefix once (its share of the splits).
-PREFIX_ROWS = 128
-
-
-def shared_prefix_passes(num_tokens: int, group: int) -> int:
-    """How many times the shared-prefix kernel reads the prefix for a forward of num_tokens new
-    tokens with `group` query heads per kv head: once per block of PREFIX_ROWS query rows."""
-    group_pad = 1 << max(0, group - 1).bit_length()
-    tokens = max(1, PREFIX_ROWS // group_pad)
-    return -(-num_tokens // tokens)
-
-
-def shared_prefix_pays(rows: int, num_tokens: int, group: int) -> bool:
-    """Whether the shared-prefix kernel reads the prefix fewer times (one per block of query
-    rows) than the rows would (one each): always for decode batches of two rows or more; not for
-    prefills or catch-ups of many tokens per row, which read it per row instead."""
-    return shared_prefix_passes(num_tokens, group) < rows
 
 
 def shared_prefix_len(
@@ -139,13 +118,18 @@ class HostBatch:
             self.kv_slots, self.kv_offsets, self.q_offsets, self.num_real, min_len
         )
 
-    def shared_prefix(self, group: int) -> int:
-        """P for the shared-prefix kernel at GQA group `group`: the real rows' common prefix
-        when reading it once per block of query rows pays (shared_prefix_pays), else 0."""
-        tokens = int(self.q_offsets[self.num_real])
-        if not shared_prefix_pays(self.num_real, tokens, group):
+    def shared_prefix(self, shape: PrefixShape) -> int:
+        """P for the shared-prefix kernel of `shape`: the real rows' common prefix when reading
+        it once per block of query rows pays (PrefixShape.pays), else 0."""
+        n = self.num_real
+        decode = int(self.q_offsets[n]) == n
+        tokens = len(self.token_ids)  # what the kernel runs: decode padding rows included
+        # An upper bound on P first: most batches that cannot pay skip the slot compares.
+        bound = int((np.diff(self.kv_offsets[: n + 1]) - np.diff(self.q_offsets[: n + 1])).min())
+        if not shape.pays(n, tokens, bound, decode):
             return 0
-        return self.shared_prefix_len()
+        p = self.shared_prefix_len()
+        return p if shape.pays(n, tokens, p, decode) else 0
 
     def padded(self, rows: int, scratch_slot: int) -> HostBatch:
         """Appends decode padding rows up to `rows`: token 0 at position 0, writing and reading
@@ -230,14 +214,15 @@ class ForwardContext:
         scratch_slot: int,
         plan: Any = None,
         pad_rows_to: int | None = None,
-        shared_prefix_group: int = 0,
+        shared_prefix: PrefixShape | None = None,
     ) -> ForwardContext:
         """Host work first (lengths, maxima, padding, the backend's host plan), then one copy.
 
         plan(host_batch) -> (dict of host facts, list of extra int64 arrays to move) lets the
         attention backend precompute its host-side tables; the moved arrays land in
-        ctx.host["arrays"] in the same order. shared_prefix_group: the GQA group of a backend that
-        reads the real rows' common prefix once (HostBatch.shared_prefix); 0: it does not.
+        ctx.host["arrays"] in the same order. shared_prefix: the attention shape of a backend
+        that reads the real rows' common prefix once (HostBatch.shared_prefix); None: it does
+        not.
         """
         hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
         if pad_rows_to is not None:
@@ -258,7 +243,7 @@ class ForwardContext:
             hb.kv_offsets,
             hb.q_offsets[1:] - 1,
         ]
-        shared = hb.shared_prefix(shared_prefix_group) if shared_prefix_group else 0
+        shared = hb.shared_prefix(shared_prefix) if shared_prefix is not None else 0
         if shared:
             base.append(np.array([shared], dtype=np.int64))
         moved = to_device(base + list(extra), device)

@@ -32,6 +32,7 @@ from .context import (
     decode_kv_width,
     to_device,
 )
+from .prefix_plan import PrefixShape
 
 if TYPE_CHECKING:
     from .attention import TorchPagedAttention
@@ -57,7 +58,7 @@ class DecodeGraphRunner:
         # pool, the graphs and their memory freeable together when the caller drops the pool.
         self._pool = weakref.ref(pool)
         self.model, self.backend = model, backend
-        self.gqa_group = model.config.num_attention_heads // model.config.num_key_value_heads
+        self.prefix_shape = PrefixShape.of(model.config, pool.dtype.itemsize)
         self.buckets = tuple(sorted(set(buckets)))
         self.max_rows = self.buckets[-1]
         device = model.device
@@ -159,7 +160,7 @@ class DecodeGraphRunner:
         assert rows is not None
         hbp = hb.padded(rows, self.pool.scratch_slot)
         width = decode_kv_width(int(np.diff(hbp.kv_offsets).max()))
-        shared = hbp.shared_prefix(self.gqa_group) if self.backend.shares_prefix else 0
+        shared = hbp.shared_prefix(self.prefix_shape) if self.backend.shares_prefix else 0
         self._load(hbp, shared)
         if self.use_graphs:
             key = self._key(rows, width, shared > 0)
@@ -211,6 +212,8 @@ class DecodeGraphRunner:
         for shared in (False, True) if self.backend.shares_prefix else (False,):
             for w in widths if self.width_keyed else widths[:1]:
                 for rows in reversed(self.buckets):
+                    if shared and rows < 2:
+                        continue  # a prefix needs two real rows to be shared
                     if self._key(rows, w, shared) not in self._graphs:
                         self._capture(rows, w, shared)
         return len(self._graphs)

@@ -19,6 +19,7 @@ from .context import DEFAULT_DECODE_BUCKETS, ForwardContext, HostBatch, decode_b
 from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from .prefix_plan import PrefixShape
 
 
 @dataclass
@@ -183,11 +184,10 @@ class CausalLM(nn.Module):
     ) -> ForwardContext:
         """Host work of one forward (lengths, padding, the backend's host plan), one copy to the
         device. Nothing after this reads device memory back on the host."""
-        group = self.config.num_attention_heads // self.config.num_key_value_heads
+        shape = PrefixShape.of(self.config, pool.dtype.itemsize) if backend.shares_prefix else None
         return ForwardContext.build(
-            batch, self.device, pool.scratch_slot, backend.plan, pad_rows_to,
-            group if backend.shares_prefix else 0,
-        )  # fmt: skip
+            batch, self.device, pool.scratch_slot, backend.plan, pad_rows_to, shape
+        )
 
     @torch.inference_mode()
     def forward(

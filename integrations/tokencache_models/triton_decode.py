@@ -128,7 +128,7 @@ def paged_decode(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     splits = num_splits(bsz, kv_heads)
     # The prefix kernel's splits from the grid only (a graph replays them for any P).
-    extra = 0 if prefix_len is None else prefix_splits(bsz, heads, k_cache)
+    extra = 0 if prefix_len is None else prefix_splits(q, k_cache)
     total = splits + extra
     acc = torch.empty((bsz, heads, total, head_dim), device=q.device, dtype=torch.float32)
     m = torch.empty((bsz, heads, total), device=q.device, dtype=torch.float32)

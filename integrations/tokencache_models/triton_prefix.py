@@ -4,12 +4,13 @@ When every real row of a forward starts with the same P slots (a shared system p
 tree hands all of its requests the same KV slots), reading those slots once per row wastes
 (rows - 1) x P slot reads per layer: at 32 rows x 8k that is nearly all of a decode step's
 memory traffic. Here program (m, split, kvh) takes a block of the batch's query tokens with the
-kv head's whole GQA group (PREFIX_ROWS rows), walks its split of the P prefix slots without a
+kv head's whole GQA group (PrefixShape.rows rows), walks its split of the P prefix slots without a
 mask (every new token comes after the prefix) and writes partial (acc, max, sum) triples into
 extra split columns of the caller's partial buffers. The decode and varlen kernels then skip
 the first P slots of each row (their SKIP mode) and one merge combines both (cascade
 attention, as FlashInfer's and Hydragen's). P is read from a device tensor, so a CUDA graph
-captured once serves any prefix length.
+captured once serves any prefix length. The tile, passes and splits come from prefix_plan.py,
+which the runner and the routing engine's clock read too.
 
 Imported lazily, on CUDA or under TRITON_INTERPRET=1.
 """
@@ -20,13 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .context import PREFIX_ROWS
-from .triton_splitkv import attend_block, kv_block, load_query_block, store_partial
-
-# Programs to aim for (~2 waves of a 132-SM GPU, as the other kernels) and a cap on splits.
-SPLIT_TARGET = 264
-MAX_SPLITS = 32
-MIN_SPLIT_CHUNKS = 4  # host-known prefixes: no split shorter than this many BLOCK_N chunks
+from .prefix_plan import PrefixShape
+from .triton_splitkv import attend_block, load_query_block, store_partial
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -94,39 +90,15 @@ def _shared_prefix_kernel(  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-def prefix_rows(dtype: torch.dtype) -> int:
-    """Query rows per program: PREFIX_ROWS, or 32 for fp32 caches (kv_block's reason)."""
-    return PREFIX_ROWS if dtype.itemsize <= 2 else 32
+def prefix_shape(q: torch.Tensor, k_cache: torch.Tensor) -> PrefixShape:
+    """The kernel's shape for queries q [T, H, D] over a cache [slots, KVH, D]."""
+    kv_heads = k_cache.shape[1]
+    return PrefixShape(q.shape[1] // kv_heads, kv_heads, q.shape[2], k_cache.dtype.itemsize)
 
 
-def prefix_splits(
-    num_tokens: int, heads: int, k_cache: torch.Tensor, prefix_len: int | None = None
-) -> int:
-    """Split columns the prefix kernel fills for a forward of num_tokens query tokens."""
-    kv_heads, dtype = k_cache.shape[1], k_cache.dtype
-    rows, block_n = prefix_rows(dtype), kv_block(dtype)
-    return prefix_grid(num_tokens, heads, kv_heads, rows, prefix_len, block_n)[3]
-
-
-def prefix_grid(
-    num_tokens: int,
-    heads: int,
-    kv_heads: int,
-    rows: int = PREFIX_ROWS,
-    prefix_len: int | None = None,
-    block_n: int = 64,
-) -> tuple[int, int, int, int]:
-    """(rows, tokens per block, m-blocks, splits) of the prefix kernel. prefix_len None: the
-    split count from the grid only (decode under CUDA graphs, where P changes between replays);
-    a host-known P also keeps each split >= MIN_SPLIT_CHUNKS blocks long."""
-    group_pad = triton.next_power_of_2(heads // kv_heads)
-    rows = max(rows, 16, group_pad)  # tl.dot needs M >= 16; a block holds >= 1 token
-    tokens = rows // group_pad
-    m_blocks = triton.cdiv(num_tokens, tokens)
-    splits = min(triton.cdiv(SPLIT_TARGET, max(1, m_blocks * kv_heads)), MAX_SPLITS)
-    if prefix_len is not None:
-        splits = max(1, min(splits, prefix_len // (MIN_SPLIT_CHUNKS * block_n)))
-    return rows, tokens, m_blocks, splits
+def prefix_splits(q: torch.Tensor, k_cache: torch.Tensor, prefix_len: int | None = None) -> int:
+    """Split columns the prefix kernel fills for the query tokens q (PrefixShape.splits)."""
+    return prefix_shape(q, k_cache).splits(q.shape[0], prefix_len)
 
 
 def shared_prefix_partials(
@@ -141,8 +113,6 @@ def shared_prefix_partials(
     lse: torch.Tensor,
     split0: int,
     scale: float,
-    rows: int | None = None,
-    block_n: int | None = None,
 ) -> None:
     """Attention of every query row q [T, H, D] over the first prefix_len[0] entries of row 0's
     slot list (kv_slots[kv_offsets[0]:]), unmasked, written as partials into split columns
@@ -151,13 +121,11 @@ def shared_prefix_partials(
     Launch parameters come from shapes only: no host sync, graph-capturable."""
     tokens_total, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
-    block_n = block_n or kv_block(k_cache.dtype)
-    rows = rows or prefix_rows(k_cache.dtype)
+    shape = prefix_shape(q, k_cache)
     splits = acc.shape[2] - split0
-    rows, tokens, m_blocks, _ = prefix_grid(tokens_total, heads, kv_heads, rows)
     assert splits >= 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     q = q.contiguous()
-    _shared_prefix_kernel[(m_blocks, splits, kv_heads)](
+    _shared_prefix_kernel[(shape.passes(tokens_total), splits, kv_heads)](
         q,
         k_cache,
         v_cache,
@@ -184,11 +152,11 @@ def shared_prefix_partials(
         m.stride(1),
         GROUP=heads // kv_heads,
         GROUP_PAD=triton.next_power_of_2(heads // kv_heads),
-        ROWS=rows,
-        TOKENS=tokens,
+        ROWS=shape.rows,
+        TOKENS=shape.tokens_per_block,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=block_n,
+        BLOCK_N=shape.block_n,
         IEEE=k_cache.dtype == torch.float32,
-        num_warps=8 if rows >= 128 else 4,  # a 128 x HEAD_DIM fp32 accumulator over 8 warps
+        num_warps=8 if shape.rows >= 128 else 4,  # a 128 x HEAD_DIM fp32 accumulator
     )

@@ -190,7 +190,7 @@ def paged_varlen(
         bsz, max_q_len, heads, kv_heads, kv_read, rows, block_n
     )
     splits = auto if splits is None else max(1, splits)
-    extra = 0 if prefix_len is None else prefix_splits(q.shape[0], heads, k_cache, shared_len)
+    extra = 0 if prefix_len is None else prefix_splits(q, k_cache, shared_len)
     q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     out = torch.empty_like(q)  # contiguous, as the merge kernel assumes

@@ -9,10 +9,11 @@ benches/gpu records new ones: `GpuClock.fit(path, ...)`).
 kv_tokens is the KV slots the modelled runner reads. A runner with shared-prefix ("cascade")
 attention (`shared_prefix=True`) reads the P leading slot-list entries common to every row of a
 forward (tokencache_models.shared_prefix_len: a shared system prompt, P >= MIN_SHARED_PREFIX, at
-least two rows) once per block of query rows (tokencache_models.shared_prefix_passes) instead of
-once per row: sum(kv_lens) - rows*P + P*passes, when passes < rows (shared_prefix_pays: the
-runner's rule; long catch-ups and prefills read it per row); without it every row reads its
-whole slot list, sum(kv_lens). `describe()` names the mode.
+least two rows) once per block of query rows instead of once per row, and pays for the split
+partials its kernel writes and merges: sum(kv_lens) - rows*P + P*passes + partials
+(tokencache_models.PrefixShape, bf16 caches), where that is less than rows*P (PrefixShape.pays:
+the runner's rule; long catch-ups, prefills and short prefixes read it per row); without it
+every row reads its whole slot list, sum(kv_lens). `describe()` names the mode.
 
 Profiles:
 - "h200-2026-11-30" (default): least-squares fit of cost = a + b*batch + c*new_tokens +
@@ -38,9 +39,8 @@ from tokencache_models import (
     MIN_SHARED_PREFIX,
     PRESETS,
     ModelConfig,
+    PrefixShape,
     shared_prefix_len,
-    shared_prefix_passes,
-    shared_prefix_pays,
 )
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -236,16 +236,18 @@ class GpuClock:
         self._set_shared_prefix(default if shared_prefix is None else shared_prefix)
 
     def _set_shared_prefix(self, on: bool) -> None:
+        """The shared-prefix kernel's shape of each model, with a bf16 cache (the benchmarks':
+        fp32 caches run smaller tiles, PrefixShape.rows)."""
         self.shared_prefix = bool(on)
-        groups: list[int] = []
+        shapes: list[PrefixShape] = []
         for name in (self.small_name, self.large_name):
             cfg = PRESETS.get(name)
             if cfg is None and self.shared_prefix:
                 raise ValueError(
-                    f"shared_prefix needs the GQA group of {name!r}: one of {sorted(PRESETS)}"
+                    f"shared_prefix needs the attention shape of {name!r}: one of {sorted(PRESETS)}"
                 )
-            groups.append(1 if cfg is None else cfg.num_attention_heads // cfg.num_key_value_heads)
-        self.groups = (groups[0], groups[1])
+            shapes.append(PrefixShape(1, 1, 1) if cfg is None else PrefixShape.of(cfg))
+        self.prefix_shapes = (shapes[0], shapes[1])
 
     @staticmethod
     def roofline(name: str) -> ForwardCost:
@@ -288,15 +290,15 @@ class GpuClock:
     def kv_read(self, kind: int, batch: int, new_tokens: int, kv_tokens: int, prefix: int) -> int:
         """KV slots the modelled runner reads for a forward of `batch` rows whose contexts hold
         kv_tokens slots in all, the first `prefix` (P) of every row the same: with
-        shared_prefix, kv_tokens - batch*P + P*passes (P read once per block of query rows)
-        where that is fewer reads than one per row (shared_prefix_pays: the runner's own rule);
-        otherwise (or P = 0) kv_tokens."""
+        shared_prefix, kv_tokens - batch*P + PrefixShape.read_slots (P read once per block of
+        query rows, plus the split partials' traffic) where that moves less than one read per
+        row (PrefixShape.pays: the runner's own rule); otherwise (or P = 0) kv_tokens."""
         if not self.shared_prefix or prefix <= 0:
             return kv_tokens
-        if not shared_prefix_pays(batch, new_tokens, self.groups[kind]):
+        shape, decode = self.prefix_shapes[kind], new_tokens == batch
+        if not shape.pays(batch, new_tokens, prefix, decode):
             return kv_tokens  # the runner reads it per row then (HostBatch.shared_prefix)
-        passes = shared_prefix_passes(new_tokens, self.groups[kind])
-        return kv_tokens - batch * prefix + prefix * passes
+        return kv_tokens - batch * prefix + shape.read_slots(new_tokens, prefix, decode)
 
     def forward_s(
         self, kind: int, batch: int, new_tokens: int, kv_tokens: int, prefix: int = 0
@@ -312,15 +314,15 @@ class GpuClock:
         share more than `shareable` (U) leading slots. Without shared_prefix every row reads
         its context: total_kv_tokens. With it, a forward f of R_f rows, T_f >= R_f new tokens
         and prefix P_f <= U reads sum(kv - U) plus passes_f*P_f + R_f*(U - P_f) (P_f = 0: R_f*U),
-        linear in P_f, so at least min(passes_f, R_f)*U >= passes(R_f)*U, passes(n) =
-        shared_prefix_passes(n, group) (one pass per block of query rows); summed over the
+        (plus the partials' traffic, >= 0), linear in P_f, so at least min(passes_f, R_f)*U >=
+        passes(R_f)*U, passes(n) = PrefixShape.passes (one per block of query rows); summed over the
         forwards (passes is subadditive, ceil of a sum): total - rows*U + passes(rows)*U, every
         row's context beyond U and the shared prefix read as few times as all rows in one
         forward of one token each would. U under MIN_SHARED_PREFIX is never shared
         (shared_prefix_len returns 0)."""
         if not self.shared_prefix or rows < 1 or shareable < MIN_SHARED_PREFIX:
             return total_kv_tokens
-        passes = shared_prefix_passes(rows, self.groups[kind])
+        passes = self.prefix_shapes[kind].passes(rows)
         return max(0, total_kv_tokens - (rows - passes) * shareable)
 
     def floor_s(self, kind: int, total_tokens: int, total_kv_tokens: int = 0) -> float:

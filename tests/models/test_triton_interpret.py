@@ -248,7 +248,9 @@ check(2, 1, 16, 2000, [100, 4], [10, 10])
 # The 16-bit caches' tile (128 rows: 64 tokens of a group of 2) on fp32 data: 70 decode rows
 # make two query blocks, the second one mostly past the last token.
 import tokencache_models.triton_prefix as triton_prefix
-triton_prefix.prefix_rows = lambda dtype: 128
+from tokencache_models.prefix_plan import PrefixShape
+triton_prefix.prefix_shape = lambda q, k: PrefixShape(q.shape[1] // k.shape[1], k.shape[1],
+                                                      q.shape[2], itemsize=2)
 check(4, 2, 16, 90, [i % 5 for i in range(70)], [1] * 70)
 check(4, 2, 16, 90, [3, 0, 9], [40, 30, 2])
 # Rows that diverge inside the prefix: P is the common part only.
@@ -319,15 +321,20 @@ cfg = dataclasses.replace(
 )
 model = random_model(cfg, seed=0, std=0.2, attention_backend="triton")
 ref_model = random_model(cfg, seed=0, std=0.2, attention_backend="torch")
-pool, ref_pool = model.make_kv_pool(64), ref_model.make_kv_pool(64)
-a, b = pool.alloc(9), pool.alloc(4)
-for batch in (
-    ForwardBatch.from_requests([list(range(9)), [1, 2, 3, 4]], [[], []], [a, b]),
-    ForwardBatch.from_requests([[5], [6]], [a, b], [pool.alloc(1), pool.alloc(1)]),
+pool, ref_pool = model.make_kv_pool(512), ref_model.make_kv_pool(512)
+a, b, system = pool.alloc(9), pool.alloc(4), pool.alloc(200)
+rows = [pool.alloc(1) for _ in range(4)]
+for batch, shared in (
+    (ForwardBatch.from_requests([list(range(9)), [1, 2, 3, 4]], [[], []], [a, b]), 0),
+    (ForwardBatch.from_requests([[5], [6]], [a, b], [pool.alloc(1), pool.alloc(1)]), 0),
+    # A 200-token system prompt, then four requests decoding over it: the shared-prefix path.
+    (ForwardBatch.from_requests([[i % 64 for i in range(200)]], [[]], [system]), 0),
+    (ForwardBatch.from_requests([[7], [8], [9], [10]], [system] * 4, rows), 200),
 ):
     ref = ref_model(batch, ref_pool)
     backend = model.attention()
     ctx = model.build_context(batch, pool, backend)
+    assert ctx.shared_len == shared, (ctx.shared_len, shared)
     saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu", "numpy")}
 
     def refuse(*args, **kwargs):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from routing_helpers import make_prompts
 from test_exactness import bernoulli_decide
 
-from tokencache_models import MIN_SHARED_PREFIX, PRESETS, shared_prefix_passes
+from tokencache_models import MIN_SHARED_PREFIX, PRESETS, PrefixShape
 from tokencache_routing import (
     BernoulliRouter,
     GpuClock,
@@ -195,8 +195,8 @@ def test_fit_prices_shared_decode_rows_by_the_kv_they_read(tmp_path: Path) -> No
                          "context": 2048, "kv_tokens": batch * 2048,
                          "step_ms": 1e3 * (a + b * batch + d * batch * 2048)})  # fmt: skip
         for ctx in (2048, 8192):
-            p, group = ctx - 160, 2 if model == "qwen3-0.6b" else 4
-            kv = 32 * 160 + p * shared_prefix_passes(32, group)
+            p = ctx - 160
+            kv = 32 * 160 + PrefixShape.of(PRESETS[model]).read_slots(32, p, decode=True)
             rows.append({"model": model, "kind": "shared decode", "path": "graphs", "batch": 32,
                          "context": ctx, "shared": p, "kv_tokens": kv,
                          "step_ms": 1e3 * (a + b * 32 + d * kv)})  # fmt: skip
@@ -206,8 +206,8 @@ def test_fit_prices_shared_decode_rows_by_the_kv_they_read(tmp_path: Path) -> No
     clock = GpuClock.fit(path, "qwen3-0.6b", "qwen3-8b")
     assert clock.shared_prefix
     p = 8192 - 160
-    for kind, group in ((SMALL, 2), (LARGE, 4)):
-        kv = 32 * 160 + p * shared_prefix_passes(32, group)
+    for kind, model in ((SMALL, "qwen3-0.6b"), (LARGE, "qwen3-8b")):
+        kv = 32 * 160 + PrefixShape.of(PRESETS[model]).read_slots(32, p, decode=True)
         got = clock.forward_s(kind, 32, 32, 32 * 8192, p)
         assert got == pytest.approx(a + b * 32 + d * kv, rel=1e-6)
     assert not GpuClock.fit(path, "qwen3-0.6b", "qwen3-8b", shared_prefix=False).shared_prefix
@@ -254,28 +254,36 @@ def hand_built(prefix: int, own: list[int], q_lens: list[int]) -> tuple[np.ndarr
 
 @pytest.mark.parametrize("profile", ["h200-2026-11-30", "h200-roofline"])
 # Decode; a catch-up of several prefix passes (fewer than its rows); one of more passes than
-# rows (the runner reads the prefix per row then: shared_prefix_pays).
+# rows (the runner reads the prefix per row then: PrefixShape.pays).
 @pytest.mark.parametrize("q_len", [1, 3, 30])
 def test_kv_term_reads_a_shared_prefix_once_per_pass(profile: str, q_len: int) -> None:
     """On a hand-built batch: with shared_prefix the clock's KV term is
-    sum(kv_lens) - n*P + P*passes when passes < n, without it (or with more passes than rows)
-    sum(kv_lens), whatever the profile."""
+    sum(kv_lens) - n*P + P*passes + the partials' slots when that is less than n*P, without
+    it (or when it is not) sum(kv_lens), whatever the profile."""
     own = [40, 33, 57, 35]
-    slots, kv_off, q_off = hand_built(300, own, [q_len] * len(own))
+    slots, kv_off, q_off = hand_built(3000, own, [q_len] * len(own))
     kv_lens = np.diff(kv_off)
     n, total, tokens = len(own), int(kv_lens.sum()), q_len * len(own)
     on = GpuClock(profile=profile, shared_prefix=True)
     off = GpuClock(profile=profile, shared_prefix=False)
     p = on.prefix_of(slots, kv_off, q_off)
-    assert p == 300
+    assert p == 3000
     import torch  # the engine passes its ForwardBatch's CPU tensors
 
-    assert on.prefix_of(*(torch.from_numpy(x) for x in (slots, kv_off, q_off))) == 300
+    assert on.prefix_of(*(torch.from_numpy(x) for x in (slots, kv_off, q_off))) == 3000
     for kind, name in ((SMALL, "qwen3-0.6b"), (LARGE, "qwen3-8b")):
-        cfg = PRESETS[name]
-        passes = shared_prefix_passes(tokens, cfg.num_attention_heads // cfg.num_key_value_heads)
+        shape = PrefixShape.of(PRESETS[name])
+        passes = shape.passes(tokens)
         assert passes == (1 if q_len == 1 else -(-tokens // (32 if kind == LARGE else 64)))
-        want = total - n * p + p * passes if passes < n else total
+        # Partials: 4 query tokens x heads x splits (one wave over passes x 8 kv heads; a
+        # catch-up's capped by P / 256) x 130 fp32, written and read, in slots of 4 KiB.
+        splits = 17 if q_len == 1 else min(-(-132 // (passes * 8)), 3000 // 256)
+        heads = 16 if kind == SMALL else 32
+        partials = -(-2 * tokens * heads * splits * 130 * 4 // 4096)
+        assert shape.overhead_slots(tokens, None if q_len == 1 else p) == partials
+        pays = p * passes + partials < n * p
+        assert pays == (passes < n)  # at 3000 slots, the passes decide
+        want = total - n * p + p * passes + partials if pays else total
         assert on.kv_read(kind, n, tokens, total, p) == want
         assert on.forward_s(kind, n, tokens, total, p) == on.costs[kind](n, tokens, want)
         assert off.kv_read(kind, n, tokens, total, p) == total
@@ -346,9 +354,9 @@ def test_floor_bounds_every_schedule_with_shared_reads(
 @pytest.mark.parametrize("kind", [SMALL, LARGE])
 def test_shared_floor_is_tight_so_an_overstated_one_fails(kind: int) -> None:
     """One decode forward whose rows share exactly the shareable prefix reads what
-    least_kv_read says: the roofline floor equals its cost, so any floor that counts the
-    shared prefix more often (per row, or one pass more) is above what a schedule paid, and
-    the bound check above would catch it."""
+    least_kv_read says plus its partials' traffic: the roofline floor of that equals its cost,
+    so any floor that counts the shared prefix more often (per row, or one pass more) is above
+    what a schedule paid, and the bound check above would catch it."""
     clock = GpuClock(profile="h200-roofline")
     shareable, own = 8000, 150
     n = 64 if kind == LARGE else 128  # two passes: 32 (8B, group 4) or 64 (0.6B) rows a pass
@@ -357,7 +365,9 @@ def test_shared_floor_is_tight_so_an_overstated_one_fails(kind: int) -> None:
     paid = clock.forward_s(kind, n, n, total_kv, shareable)
     least = clock.least_kv_read(kind, total_kv, n, shareable)
     assert least == total_kv - (n - passes) * shareable
-    assert clock.floor_s(kind, n, least) == pytest.approx(paid, rel=1e-12)
+    partials = clock.prefix_shapes[kind].overhead_slots(n)
+    assert 0 < partials < shareable
+    assert clock.floor_s(kind, n, least + partials) == pytest.approx(paid, rel=1e-12)
     for over in (least + shareable, total_kv):
         assert clock.floor_s(kind, n, over) > paid * (1 + 1e-9)
 
