@@ -31,6 +31,12 @@ DEFAULT_DECODE_BUCKETS: tuple[int, ...] = (
 KV_CHUNK = 64
 
 
+def prefix_cap(kv_offsets: np.ndarray, q_offsets: np.ndarray, n: int) -> int:
+    """The longest prefix the first n rows could share: min(kv_len - q_len), so every row's new
+    tokens come after it."""
+    return int((np.diff(kv_offsets[: n + 1]) - np.diff(q_offsets[: n + 1])).min())
+
+
 def shared_prefix_len(
     kv_slots: np.ndarray,
     kv_offsets: np.ndarray,
@@ -48,7 +54,7 @@ def shared_prefix_len(
     if n < 2:
         return 0
     starts = kv_offsets[:n]
-    p = int((np.diff(kv_offsets[: n + 1]) - np.diff(q_offsets[: n + 1])).min())
+    p = prefix_cap(kv_offsets, q_offsets, n)
     first = kv_slots[starts[0] : starts[0] + p]
     for s in starts[1:].tolist():
         if p < min_len:
@@ -125,8 +131,7 @@ class HostBatch:
         decode = int(self.q_offsets[n]) == n
         tokens = len(self.token_ids)  # what the kernel runs: decode padding rows included
         # An upper bound on P first: most batches that cannot pay skip the slot compares.
-        bound = int((np.diff(self.kv_offsets[: n + 1]) - np.diff(self.q_offsets[: n + 1])).min())
-        if not shape.pays(n, tokens, bound, decode):
+        if not shape.pays(n, tokens, prefix_cap(self.kv_offsets, self.q_offsets, n), decode):
             return 0
         p = self.shared_prefix_len()
         return p if shape.pays(n, tokens, p, decode) else 0

@@ -30,6 +30,15 @@ MAX_SPLITS = 32
 MIN_SPLIT_CHUNKS = 4
 
 
+def kv_block_slots(itemsize: int) -> int:
+    """K/V slots per online-softmax step (BLOCK_N) of every Triton attention kernel, by the
+    cache's bytes per element. fp32 caches take IEEE dots, which at 64-wide tiles spill on
+    sm_90 (benches/gpu/compile_check.py: the varlen kernel ~9 KB of local memory per thread
+    with triton 3.9, 16-17 KB with 3.6, where decode also needs 255 registers and 0.8 KB); at
+    32, nothing with 3.9, 0.75 KB (varlen split-KV) with 3.6."""
+    return 64 if itemsize <= 2 else 32
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -56,8 +65,7 @@ class PrefixShape:
 
     @property
     def block_n(self) -> int:
-        """K/V slots per online-softmax step (triton_splitkv.kv_block's rule)."""
-        return 64 if self.itemsize <= 2 else 32
+        return kv_block_slots(self.itemsize)
 
     @property
     def tokens_per_block(self) -> int:

@@ -11,14 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .prefix_plan import kv_block_slots
+
 
 def kv_block(dtype: torch.dtype) -> int:
-    """K/V slots per online-softmax step (BLOCK_N) for a cache dtype. fp32 caches take IEEE
-    dots, which at 64-wide tiles spill on sm_90 (benches/gpu/compile_check.py: the varlen
-    kernel ~9 KB of local memory per thread with triton 3.9, 16-17 KB with 3.6, where decode
-    also needs 255 registers and 0.8 KB); at 32, nothing with 3.9, 0.75 KB (varlen split-KV)
-    with 3.6."""
-    return 64 if dtype.itemsize <= 2 else 32
+    """K/V slots per online-softmax step (BLOCK_N) for a cache dtype (prefix_plan's rule)."""
+    return kv_block_slots(dtype.itemsize)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
