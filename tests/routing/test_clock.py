@@ -372,6 +372,10 @@ def test_shared_floor_is_tight_so_an_overstated_one_fails(kind: int) -> None:
         assert clock.floor_s(kind, n, over) > paid * (1 + 1e-9)
 
 
+def _no_time() -> float:
+    return 0.0
+
+
 @pytest.mark.parametrize("dispatch", ["naive", "tokencache"])
 def test_engine_prices_shared_prefixes_for_every_dispatch(pair: Any, dispatch: str) -> None:
     """Every dispatch is priced on the same runner: with shared_prefix the engine finds each
@@ -383,6 +387,8 @@ def test_engine_prices_shared_prefixes_for_every_dispatch(pair: Any, dispatch: s
     for shared in (False, True):
         clock = GpuClock(profile="h200-roofline", shared_prefix=shared)
         eng = RoutedEngine(*pair, router, 2048, clock=clock, dispatch=dispatch)
+        for side in eng.sides:  # no host time: the clock is then a pure function of the schedule
+            side.timer = _no_time
         eng.sched.router = ScriptedRouter(every=True)  # prime both trees, as the bench does
         eng.submit(prompts[0][:100], 1, route_key=-1).wait()
         eng.sched.router = router
