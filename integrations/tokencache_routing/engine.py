@@ -431,7 +431,7 @@ class RoutedEngine:
 
     def _abort_request(self, r: Request) -> bool:
         with r.cond:
-            if r.finished_reason is not None or r.abort_requested:
+            if r.finished_reason is not None or r.ending is not None or r.abort_requested:
                 return False
             r.abort_requested = True
         driver = self._driver

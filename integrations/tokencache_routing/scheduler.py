@@ -439,13 +439,14 @@ class Scheduler:
         r.models.append(model)
         self.stats.tokens += 1
         self.stats.large_tokens += model == LARGE
+        reason = r.finished_by(token)
         with r.cond:
             if not r.abort_requested:  # nothing is delivered after abort() returned
                 r.tokens.append(token)
                 r.token_models.append(model)
                 r.token_times.append(now)
+                r.ending = reason  # from here on abort() is a no-op
         self.touched.append(r)
-        reason = r.finished_by(token)
         if reason is not None or r.abort_requested:
             self.finish(r, reason or "abort")
             return True

@@ -85,6 +85,9 @@ class Request:
         self.tokens: list[int] = []
         self.token_models: list[int] = []
         self.finished_reason: str | None = None
+        # Why it ends, set with its last token (before its KV is released and finished_reason
+        # set): abort() refuses from then on, as the caller may already hold that token.
+        self.ending: str | None = None
         self.error: BaseException | None = None
         self.abort_requested = False
         self.listeners: list[Callable[[RequestHandle], None]] = []
