@@ -6,9 +6,10 @@ CPU smoke test of every code path (tiny model, no timing claims):  ... --smoke -
 Qwen3 shapes, random bf16 weights. Decode: every request attends over --context cached tokens
 (random K/V in shuffled slots) and each timed step decodes one token per request into the same
 slot, so the context stays constant. Catch-up: k requests x t new tokens at context L (the
-routing engine's large-model forward). Shared decode (--shared-decode B x L / own): B requests
-whose contexts share their first L - own slots (a shared system prompt), timed with the
-shared-prefix kernel (graphs) and without it (graphs-per-row: every row reads its whole list).
+routing engine's large-model forward). Shared decode (--shared-decode B x L / own [: K]): B
+requests whose contexts share their first L - own slots with the others on the same of K system
+prompts (round-robin; default 1), timed with the shared-prefix kernel (graphs: each prompt read
+once for its rows) and without it (graphs-per-row: every row reads its whole list).
 Paths:
   eager   Triton attention (split-KV decode kernel, varlen kernel for catch-ups), no graphs
   graphs  the same kernels, decode steps replayed from CUDA graphs (padded batch buckets)
@@ -49,6 +50,7 @@ from tokencache_models import (  # noqa: E402
     ForwardBatch,
     KVPool,
     TritonPagedAttention,
+    find_prefix_groups,
     random_model,
 )
 from tokencache_models.config import ModelConfig  # noqa: E402
@@ -84,8 +86,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--shared-decode",
-        default="32x2048/160,32x8192/160",
-        help="B x L / own: B decode requests of context L sharing all but their own last tokens",
+        default="32x2048/160,32x8192/160,32x8192/160:4",
+        help="B x L / own [: K]: B decode requests of context L sharing all but their own last "
+        "tokens with the others on the same of K prompts (default 1)",
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -99,14 +102,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_shared(spec: str) -> list[tuple[int, int, int]]:
+def parse_shared(spec: str) -> list[tuple[int, int, int, int]]:
     out = []
     for item in filter(None, spec.split(",")):
-        m = re.fullmatch(r"(\d+)x(\d+)/(\d+)", item.strip())
-        if not m or not 1 <= int(m.group(3)) <= int(m.group(2)):
-            raise ValueError(f"bad shared-decode spec {item!r}; expected BxL/own, 1 <= own <= L")
-        b, ctx, own = (int(g) for g in m.groups())
-        out.append((b, ctx, own))
+        m = re.fullmatch(r"(\d+)x(\d+)/(\d+)(?::(\d+))?", item.strip())
+        if not m or not 1 <= int(m.group(3)) <= int(m.group(2)) or m.group(4) == "0":
+            raise ValueError(
+                f"bad shared-decode spec {item!r}; expected BxL/own[:K], 1 <= own <= L, K >= 1"
+            )
+        b, ctx, own = (int(g) for g in m.groups()[:3])
+        out.append((b, ctx, own, int(m.group(4) or 1)))
     return out
 
 
@@ -151,15 +156,17 @@ def decode_batch(bs: int, context: int, perm: torch.Tensor, vocab: int) -> Forwa
 
 
 def shared_decode_batch(
-    bs: int, context: int, own: int, perm: torch.Tensor, vocab: int, new: int = 1
+    bs: int, context: int, own: int, perm: torch.Tensor, vocab: int, new: int = 1, prompts: int = 1
 ) -> ForwardBatch:
-    """bs requests whose slot lists start with the same context - own slots, then own slots
-    of their own, the last `new` of them new (1: a decode step; more: a catch-up)."""
+    """bs requests; request i's slot list starts with the context - own slots of prompt
+    i % prompts, then own slots of its own, the last `new` of them new (1: a decode step; more:
+    a catch-up)."""
     shared = context - own
-    common, slots = perm[:shared], perm[shared : shared + bs * own].view(bs, own)
+    common = perm[: prompts * shared].view(prompts, shared)
+    slots = perm[prompts * shared : prompts * shared + bs * own].view(bs, own)
     return ForwardBatch.from_requests(
         [torch.randint(0, vocab, (new,)) for _ in range(bs)],
-        [torch.cat((common, s[:-new])) for s in slots],
+        [torch.cat((common[i % prompts], s[:-new])) for i, s in enumerate(slots)],
         [s[-new:] for s in slots],
     )
 
@@ -257,27 +264,29 @@ def check_graphs_vs_eager(
     cuda: bool,
     paths: tuple[str, str] = ("eager", "graphs"),
     shared: int = 0,
+    systems: int = 1,
 ) -> dict[str, Any]:
     """fp32 model: greedy decode of `batch` requests for `steps` steps, paths[0] vs paths[1]
     (eager vs graphs; or graphs-per-row vs graphs, the shared-prefix kernel's check), each in
     its own pool from the same prefill; max |logit diff| over all steps and whether every greedy
-    token agrees (each path feeds back its own tokens). shared: the requests' prompts share
-    their first `shared` tokens, whose slots every request reads (one system prompt)."""
+    token agrees (each path feeds back its own tokens). shared: request i's prompt starts with
+    the `shared` tokens of system prompt i % systems, whose slots its requests read."""
     model = random_model(config, device, torch.float32, seed=1, std=0.05)
     model.decode_graphs = False
     g = torch.Generator().manual_seed(0)
     own = prompt - shared
-    system = torch.randint(0, config.vocab_size, (shared,), generator=g)
+    system = [torch.randint(0, config.vocab_size, (shared,), generator=g) for _ in range(systems)]
     prompts = [torch.randint(0, config.vocab_size, (own,), generator=g) for _ in range(batch)]
     sides: list[dict[str, Any]] = []
     for path in paths:
-        pool = model.make_kv_pool(shared + batch * (own + steps) + 8)
-        common = pool.alloc(shared)
+        pool = model.make_kv_pool(systems * shared + batch * (own + steps) + 8)
+        common = [pool.alloc(shared) for _ in range(systems)]
         if shared:
-            model(ForwardBatch.from_requests([system], [[]], [common]), pool, "torch")
+            model(ForwardBatch.from_requests(system, [[]] * systems, common), pool, "torch")
         slots = [pool.alloc(own) for _ in range(batch)]
-        out = model(ForwardBatch.from_requests(prompts, [common] * batch, slots), pool, "torch")
-        slots = [torch.cat((common, s)) for s in slots]
+        prefixes = [common[i % systems] for i in range(batch)]
+        out = model(ForwardBatch.from_requests(prompts, prefixes, slots), pool, "torch")
+        slots = [torch.cat((c, s)) for c, s in zip(prefixes, slots, strict=True)]
         sides.append(
             {
                 "path": path,
@@ -302,7 +311,7 @@ def check_graphs_vs_eager(
     runner = sides[1]["paths"].runner()
     return {
         "check": f"{paths[1]} vs {paths[0]}, fp32"
-        + (f", {shared}-token shared prompt" * bool(shared)),
+        + (f", {systems} shared prompts of {shared} tokens" * bool(shared)),
         "batch": batch,
         "steps": steps,
         "max_abs_logit_diff": max_diff,
@@ -334,8 +343,8 @@ def check_shared_prefix(
     slot list (the same kernels otherwise) and both against the torch path. ok: the prefix
     path is no further from torch than the per-row path is (twice that, plus 1e-3 of the
     logits' scale: bf16 rounds differently along each path, so no absolute tolerance fits)."""
-    bs, ctx, own = spec
-    batch = shared_decode_batch(bs, ctx, own, perm, model.config.vocab_size, new)
+    bs, ctx, own, prompts = spec
+    batch = shared_decode_batch(bs, ctx, own, perm, model.config.vocab_size, new, prompts)
     fast = model.attention("triton" if model.device.type == "cuda" else "torch")
     shares = fast.shares_prefix
     outs = []
@@ -347,8 +356,9 @@ def check_shared_prefix(
     prefix_err = (outs[0] - ref).abs().max().item()
     per_row_err = (outs[1] - ref).abs().max().item()
     kind = "decode" if new == 1 else f"catch-up x{new}"
+    spec_s = f"{bs}x{ctx}/{own}" + (f":{prompts}" if prompts > 1 else "")
     return {
-        "check": f"shared {kind} {bs}x{ctx}/{own}: prefix path vs per-row, torch ({model.dtype})",
+        "check": f"shared {kind} {spec_s}: prefix path vs per-row, torch ({model.dtype})",
         "max_abs_logit_diff_per_row": (outs[0] - outs[1]).abs().max().item(),
         "max_abs_logit_diff_torch": prefix_err,
         "per_row_max_abs_logit_diff_torch": per_row_err,
@@ -374,7 +384,7 @@ def bench_model(
     need = max(
         [max(sizes) * args.context]
         + [k * c for k, _, c in catchups]
-        + [ctx + b * own for b, ctx, own in shared_specs]
+        + [k * (ctx - own) + b * own for b, ctx, own, k in shared_specs]
     )
     model = random_model(config, device, dtype, seed=0)
     model.decode_graphs = False
@@ -387,10 +397,15 @@ def bench_model(
     rows: list[dict[str, Any]] = []
     checks = [check_catchup_paths(model, pool, perm, catchups[0])] if catchups else []
     if shared_specs:
-        # A decode step and a catch-up of 10 tokens each (the varlen kernel's skipping path).
-        bs, ctx, own = shared_specs[0]
-        checks.append(check_shared_prefix(model, pool, perm, shared_specs[0], 1))
-        checks.append(check_shared_prefix(model, pool, perm, (bs, ctx, max(own, 11)), 10))
+        # A decode step and a catch-up of 10 tokens each (the varlen kernel's skipping path),
+        # then both over two prompts (two groups).
+        bs, ctx, own, _ = shared_specs[0]
+        for prompts in (1, 2):
+            spec = (bs, ctx, own, prompts)
+            checks.append(check_shared_prefix(model, pool, perm, spec, 1))
+            checks.append(
+                check_shared_prefix(model, pool, perm, (bs, ctx, max(own, 11), prompts), 10)
+            )
 
     def timed(row: dict[str, Any], fn: Callable[[], Any], tokens: int, kv_tokens: int) -> None:
         row["kv_tokens"] = kv_tokens  # KV slots the step reads at least (what the clock fits)
@@ -435,17 +450,22 @@ def bench_model(
             row["new_tokens"] = t
             timed(row, paths.call(path, batch), k * t, k * ctx)
 
-    def shared_decode(bs: int, ctx: int, own: int) -> None:
-        batch = shared_decode_batch(bs, ctx, own, perm, config.vocab_size)
-        shared = HostBatch.from_batch(batch).shared_prefix_len()
-        # The least KV a step must read: each row's own slots, the prefix once per kernel pass.
-        passes = PrefixShape.of(config, dtype.itemsize).passes(bs)
-        kv_read = bs * (ctx - shared) + shared * passes
+    def shared_decode(bs: int, ctx: int, own: int, prompts: int) -> None:
+        batch = shared_decode_batch(bs, ctx, own, perm, config.vocab_size, prompts=prompts)
+        hb = HostBatch.from_batch(batch)
+        groups = find_prefix_groups(hb.kv_slots, hb.kv_offsets, hb.q_offsets)
+        # The least KV a step must read: each row's own slots, each prompt once per pass of
+        # the prefix kernel over its rows.
+        shape = PrefixShape.of(config, dtype.itemsize)
+        skipped = sum(len(g.rows) * g.length for g in groups)
+        once = sum(g.length * shape.passes(len(g.rows)) for g in groups)
+        kv_read = bs * ctx - skipped + once
+        shared = max((g.length for g in groups), default=0)
         for path in ("graphs", "graphs-per-row"):
             if "graphs" not in args.paths.split(","):
                 break
             row = {"model": name, "kind": "shared decode", "path": path, "batch": bs}
-            row.update(context=ctx, shared=shared)
+            row.update(context=ctx, shared=shared, prompts=prompts)
             # The bound: the least either path could read; the fit: what this path reads.
             timed(row, paths.call(path, batch), bs, kv_read)
             if path == "graphs-per-row":
@@ -472,6 +492,7 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
     lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         kind = r["kind"] + (f" x{r['new_tokens']}" if "new_tokens" in r else "")
+        kind += f", {r['prompts']} prompts" if r.get("prompts", 1) > 1 else ""
         head = f"| {r['model']} | {kind} | {r['path']} | {r['batch']} | {r['context']} |"
         if "step_ms" in r:
             lines.append(
@@ -490,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.models = "smoke"
         args.batch_sizes, args.context = "1,3,4", 40
         args.catchups, args.warmup, args.iters = "2x3@40,1x5@70", 1, 2
-        args.shared_decode = "3x40/4"
+        args.shared_decode = "3x40/4,4x40/4:2"
         args.check_steps = min(args.check_steps, 6)
         args.paths = "eager,graphs,torch,unfused"
     elif not torch.cuda.is_available():
@@ -507,12 +528,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     name0 = args.models.split(",")[0]
     check_cfg = SMOKE_CONFIG if args.smoke else PRESETS[name0]
     checks = [check_graphs_vs_eager(check_cfg, device, args.check_steps, 8, 64, cuda)]
-    # The shared-prefix kernel against every row reading its whole list (graphs both).
+    # The shared-prefix kernel against every row reading its whole list (graphs both), over
+    # two system prompts (two groups).
     shared = 256 if not args.smoke else 8
     per_row = ("graphs-per-row", "graphs")
     checks.append(
         check_graphs_vs_eager(
-            check_cfg, device, args.check_steps, 8, shared + 8, cuda, per_row, shared
+            check_cfg, device, args.check_steps, 8, shared + 8, cuda, per_row, shared, 2
         )
     )
     for c in checks:

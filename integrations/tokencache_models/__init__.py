@@ -23,10 +23,18 @@ from .loader import (
     truncate_model,
 )
 from .model import CausalLM, ForwardOutput
+from .prefix_groups import (
+    MAX_PREFIX_GROUPS,
+    PrefixGroup,
+    find_prefix_groups,
+    paying_groups,
+    prefix_traffic,
+)
 from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 from .runner import GreedyRunner
 
 __all__ = [
+    "MAX_PREFIX_GROUPS",
     "MIN_SHARED_PREFIX",
     "PRESETS",
     "QWEN3_0_6B",
@@ -42,11 +50,13 @@ __all__ = [
     "HostBatch",
     "KVPool",
     "ModelConfig",
+    "PrefixGroup",
     "PrefixShape",
     "SlotAllocator",
     "TorchPagedAttention",
     "TritonPagedAttention",
     "empty_model",
+    "find_prefix_groups",
     "find_smollm2_gguf",
     "from_transformers",
     "load_gguf",
@@ -54,6 +64,8 @@ __all__ = [
     "load_smollm2_gguf",
     "make_attention_backend",
     "model_from_state_dict",
+    "paying_groups",
+    "prefix_traffic",
     "random_model",
     "shared_prefix_len",
     "truncate_model",

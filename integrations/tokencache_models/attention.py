@@ -153,9 +153,9 @@ class TorchPagedAttention:
 class TritonPagedAttention(TorchPagedAttention):
     """GPU path: a split-KV paged decode kernel for decode rows and a paged varlen
     (flash-attention style) kernel for prefill / extend / mixed batches; one launch per layer
-    either way, shapes from host-known maxima only. shared_prefix (default on): when the real
-    rows start with the same slots (ForwardContext.shared_len), a third kernel reads those once
-    for the whole batch and the per-row kernels skip them (triton_prefix.py)."""
+    either way, shapes from host-known maxima only. shared_prefix (default on): when groups of
+    rows start with the same slots (ForwardContext.prefix), a third kernel reads each group's
+    prefix once and the per-row kernels skip it (triton_prefix.py)."""
 
     name = "triton"
 
@@ -177,18 +177,17 @@ class TritonPagedAttention(TorchPagedAttention):
         scale: float,
     ) -> torch.Tensor:
         # Deferred imports: CPU-only users never load triton.
-        prefix = ctx.prefix_len if ctx.shared_len else None
         if ctx.is_decode:
             from .triton_decode import paged_decode
 
             return paged_decode(
-                q, k_cache, v_cache, ctx.kv_slots, ctx.kv_offsets, scale, prefix_len=prefix
+                q, k_cache, v_cache, ctx.kv_slots, ctx.kv_offsets, scale, prefix=ctx.prefix
             )
         from .triton_varlen import paged_varlen
 
         return paged_varlen(
             q, k_cache, v_cache, ctx.kv_slots, ctx.q_offsets, ctx.kv_offsets, scale,
-            ctx.max_q_len, prefix_len=prefix, shared_len=ctx.shared_len,
+            ctx.max_q_len, prefix=ctx.prefix,
         )  # fmt: skip
 
 

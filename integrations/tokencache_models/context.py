@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .batch import ForwardBatch
+from .prefix_groups import PrefixGroup, find_prefix_groups, paying_groups, prefix_tables
 from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 
 if TYPE_CHECKING:
@@ -124,17 +125,13 @@ class HostBatch:
             self.kv_slots, self.kv_offsets, self.q_offsets, self.num_real, min_len
         )
 
-    def shared_prefix(self, shape: PrefixShape) -> int:
-        """P for the shared-prefix kernel of `shape`: the real rows' common prefix when reading
-        it once per block of query rows pays (PrefixShape.pays), else 0."""
+    def prefix_groups(self, shape: PrefixShape) -> list[PrefixGroup]:
+        """The groups of real rows whose common slot-list prefix the shared-prefix kernel of
+        `shape` reads once, each where that pays (PrefixShape.pays); padding rows excluded."""
         n = self.num_real
+        groups = find_prefix_groups(self.kv_slots, self.kv_offsets, self.q_offsets, n)
         decode = int(self.q_offsets[n]) == n
-        tokens = len(self.token_ids)  # what the kernel runs: decode padding rows included
-        # An upper bound on P first: most batches that cannot pay skip the slot compares.
-        if not shape.pays(n, tokens, prefix_cap(self.kv_offsets, self.q_offsets, n), decode):
-            return 0
-        p = self.shared_prefix_len()
-        return p if shape.pays(n, tokens, p, decode) else 0
+        return paying_groups(groups, self.q_offsets, shape, decode)
 
     def padded(self, rows: int, scratch_slot: int) -> HostBatch:
         """Appends decode padding rows up to `rows`: token 0 at position 0, writing and reading
@@ -171,6 +168,20 @@ def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.
     return list(torch.split(flat, sizes))
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A forward's shared-prefix tables on the device (prefix_groups.PrefixTables) and what the
+    host knows of them. Inside a CUDA graph the tables are static buffers refilled every step;
+    then the host facts are None (the graph serves any grouping)."""
+
+    row_skip: torch.Tensor  # [rows] the prefix each row's own kernels skip
+    tiles: torch.Tensor  # [num_tiles * TILE_FIELDS]
+    tokens: torch.Tensor  # [T] query tokens grouped by tile
+    groups: tuple[PrefixGroup, ...] | None = None
+    skipped: int | None = None  # sum of rows x P over the groups: slot reads the rows skip
+    longest: int | None = None  # the longest group prefix
+
+
 @dataclass
 class ForwardContext:
     """One forward's batch layout on the model device plus the host facts derived from it.
@@ -193,11 +204,9 @@ class ForwardContext:
     kv_offsets: torch.Tensor  # [B + 1]
     last_token: torch.Tensor  # [B] index of each row's last new token in [0, T)
     scratch_slot: int  # pool row that padding tokens write (see KVPool.scratch_slot)
-    # Shared-prefix attention: every real row's first shared_len slots are row 0's, read once
-    # for the batch (0: off). prefix_len holds the same number on the device; a CUDA graph
-    # reads it there, so the host value only says whether the prefix path runs.
-    shared_len: int = 0
-    prefix_len: torch.Tensor | None = None
+    # Shared-prefix attention (None: off): groups of rows whose common slot-list prefix is
+    # read once per tile instead of once per row.
+    prefix: SharedPrefix | None = None
     attn: Any = None  # the backend's per-forward tables (backend.prepare)
     backend: Any = None  # the model's attention backend (TorchPagedAttention or a subclass)
     pool: KVPool | None = None
@@ -226,8 +235,7 @@ class ForwardContext:
         plan(host_batch) -> (dict of host facts, list of extra int64 arrays to move) lets the
         attention backend precompute its host-side tables; the moved arrays land in
         ctx.host["arrays"] in the same order. shared_prefix: the attention shape of a backend
-        that reads the real rows' common prefix once (HostBatch.shared_prefix); None: it does
-        not.
+        that reads shared slot-list prefixes once (HostBatch.prefix_groups); None: it does not.
         """
         hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
         if pad_rows_to is not None:
@@ -248,11 +256,23 @@ class ForwardContext:
             hb.kv_offsets,
             hb.q_offsets[1:] - 1,
         ]
-        shared = hb.shared_prefix(shared_prefix) if shared_prefix is not None else 0
-        if shared:
-            base.append(np.array([shared], dtype=np.int64))
+        groups = hb.prefix_groups(shared_prefix) if shared_prefix is not None else []
+        if groups:
+            assert shared_prefix is not None
+            tables = prefix_tables(groups, hb.q_offsets, hb.kv_offsets, shared_prefix)
+            base += tables.arrays()
         moved = to_device(base + list(extra), device)
         facts["arrays"] = moved[len(base) :]
+        prefix = None
+        if groups:
+            prefix = SharedPrefix(
+                moved[7],
+                moved[8],
+                moved[9],
+                groups=tuple(groups),
+                skipped=sum(len(g.rows) * g.length for g in groups),
+                longest=max(g.length for g in groups),
+            )
         return cls(
             num_requests=hb.num_requests,
             num_real=hb.num_real,
@@ -268,7 +288,6 @@ class ForwardContext:
             kv_offsets=moved[5],
             last_token=moved[6],
             scratch_slot=scratch_slot,
-            shared_len=shared,
-            prefix_len=moved[7] if shared else None,
+            prefix=prefix,
             host=facts,
         )

@@ -8,8 +8,9 @@ capture_all); every graph shares one memory pool. The padded static path without
 
 The graph's shapes depend on the bucket only: the Triton decode kernel reads each row's KV range
 from the (static) offsets buffer, so any context fits as long as the step's slot list fits the
-kv_slots buffer (kv_capacity). A step whose rows share a prefix replays the bucket's
-shared-prefix graph, which reads the prefix length from a buffer as well. The torch path
+kv_slots buffer (kv_capacity). A step whose rows share prefixes replays the bucket's
+shared-prefix graph, which reads the groups' tile table from buffers as well (sized for
+MAX_PREFIX_GROUPS groups). The torch path
 gathers a fixed [rows, width] block, so its graphs are keyed by (bucket, width) as well,
 width = decode_kv_width(max kv length).
 """
@@ -28,10 +29,12 @@ from .context import (
     KV_CHUNK,
     ForwardContext,
     HostBatch,
+    SharedPrefix,
     decode_bucket,
     decode_kv_width,
     to_device,
 )
+from .prefix_groups import TILE_FIELDS, PrefixTables, max_tiles, prefix_tables
 from .prefix_plan import PrefixShape
 
 if TYPE_CHECKING:
@@ -80,7 +83,10 @@ class DecodeGraphRunner:
         self._last_token = i64(torch.arange(n))
         self._kv_offsets = i64(torch.zeros(n + 1))
         self._kv_slots = i64(torch.zeros(self.kv_capacity))
-        self._prefix_len = i64(torch.zeros(1))  # the step's shared prefix (shared-prefix graphs)
+        # The step's shared-prefix tables (shared-prefix graphs; prefix_groups.PrefixTables).
+        self._row_skip = i64(torch.zeros(n))
+        self._tiles = i64(torch.zeros(max_tiles(self.prefix_shape, n) * TILE_FIELDS))
+        self._prefix_tokens = i64(torch.zeros(n))
         self._reset()
         self._graphs: dict[tuple[int, int, bool], tuple[Any, ForwardOutput]] = {}
         self._mempool: Any = None
@@ -101,7 +107,9 @@ class DecodeGraphRunner:
         self._out_slots.fill_(scratch)
         self._kv_offsets.copy_(torch.arange(self.max_rows + 1))
         self._kv_slots[: self.max_rows].fill_(scratch)
-        self._prefix_len.zero_()
+        self._row_skip.zero_()
+        self._tiles.zero_()  # no tiles: the prefix kernel writes nothing
+        self._prefix_tokens.zero_()
 
     def bucket(self, batch: int) -> int | None:
         return decode_bucket(batch, self.buckets)
@@ -113,9 +121,15 @@ class DecodeGraphRunner:
             return False
         return len(hb.kv_slots) + rows - hb.num_requests <= self.kv_capacity
 
-    def static_context(self, rows: int, kv_width: int, shared_len: int = 0) -> ForwardContext:
+    def static_context(self, rows: int, kv_width: int, shared: bool = False) -> ForwardContext:
         """A context whose tensors are (views of) the static buffers, for `rows` rows; with the
-        shared-prefix path when shared_len > 0 (its length comes from the buffer)."""
+        shared-prefix path when shared (its tables come from buffers)."""
+        prefix = None
+        if shared:
+            tiles = max_tiles(self.prefix_shape, rows) * TILE_FIELDS
+            prefix = SharedPrefix(
+                self._row_skip[:rows], self._tiles[:tiles], self._prefix_tokens[:rows]
+            )
         return ForwardContext(
             num_requests=rows,
             num_real=rows,
@@ -131,23 +145,26 @@ class DecodeGraphRunner:
             kv_offsets=self._kv_offsets[: rows + 1],
             last_token=self._last_token[:rows],
             scratch_slot=self.pool.scratch_slot,
-            shared_len=shared_len,
-            prefix_len=self._prefix_len if shared_len else None,
+            prefix=prefix,
         )
 
-    def _load(self, hb: HostBatch, shared_len: int) -> None:
+    def _load(self, hb: HostBatch, tables: PrefixTables | None) -> None:
         """One host-to-device copy of the padded step, then device-side copies into the
         buffers (rows past the bucket and slot-list entries past its end are never read)."""
         rows, s = hb.num_requests, len(hb.kv_slots)
         arrays = [hb.token_ids, hb.positions, hb.out_slots, hb.kv_offsets, hb.kv_slots]
-        arrays.append(np.array([shared_len], dtype=np.int64))
-        tok, pos, out, kv_off, kv, shared = to_device(arrays, self._tokens.device)
-        self._tokens[:rows].copy_(tok)
-        self._positions[:rows].copy_(pos)
-        self._out_slots[:rows].copy_(out)
-        self._kv_offsets[: rows + 1].copy_(kv_off)
-        self._kv_slots[:s].copy_(kv)
-        self._prefix_len.copy_(shared)
+        if tables is not None:
+            arrays += tables.arrays()
+        moved = to_device(arrays, self._tokens.device)
+        self._tokens[:rows].copy_(moved[0])
+        self._positions[:rows].copy_(moved[1])
+        self._out_slots[:rows].copy_(moved[2])
+        self._kv_offsets[: rows + 1].copy_(moved[3])
+        self._kv_slots[:s].copy_(moved[4])
+        if tables is not None:
+            self._row_skip[:rows].copy_(moved[5])
+            self._tiles[: moved[6].numel()].copy_(moved[6])
+            self._prefix_tokens[:rows].copy_(moved[7])
 
     @torch.inference_mode()
     def run(self, hb: HostBatch) -> ForwardOutput:
@@ -160,10 +177,15 @@ class DecodeGraphRunner:
         assert rows is not None
         hbp = hb.padded(rows, self.pool.scratch_slot)
         width = decode_kv_width(int(np.diff(hbp.kv_offsets).max()))
-        shared = hbp.shared_prefix(self.prefix_shape) if self.backend.shares_prefix else 0
-        self._load(hbp, shared)
+        groups = hbp.prefix_groups(self.prefix_shape) if self.backend.shares_prefix else []
+        tables = None
+        if groups:
+            tiles = max_tiles(self.prefix_shape, rows)
+            tables = prefix_tables(groups, hbp.q_offsets, hbp.kv_offsets, self.prefix_shape, tiles)
+        self._load(hbp, tables)
+        shared = tables is not None
         if self.use_graphs:
-            key = self._key(rows, width, shared > 0)
+            key = self._key(rows, width, shared)
             graph, out = self._graphs.get(key) or self._capture(*key)
             graph.replay()
             self.replays += 1
@@ -187,7 +209,7 @@ class DecodeGraphRunner:
         model, pool, backend = self.model, self.pool, self.backend
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
-        ctx_args = (rows, width, int(shared))  # a flag: the prefix length is in its buffer
+        ctx_args = (rows, width, shared)  # the prefix tables are in their buffers
         with torch.cuda.stream(stream):
             model.forward_context(self.static_context(*ctx_args), pool, backend)
         torch.cuda.current_stream().wait_stream(stream)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .context import SharedPrefix
 from .triton_prefix import prefix_splits, shared_prefix_partials
 from .triton_splitkv import attend_block, kv_block, merge_splits
 
@@ -49,7 +50,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
-    SKIP: tl.constexpr,  # the first Skip[0] slots are the shared prefix, read elsewhere
+    SKIP: tl.constexpr,  # each row's first Skip[b] slots are its group's prefix, read elsewhere
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -57,8 +58,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     start = tl.load(KvOff + b)
     end = tl.load(KvOff + b + 1)
     if SKIP:
-        # Padding rows (one scratch slot) are shorter than the prefix: they keep their slot.
-        start += tl.minimum(tl.load(Skip), end - start - 1)
+        # A row keeps at least its own new token's slot.
+        start += tl.minimum(tl.load(Skip + b), end - start - 1)
     per_split = tl.cdiv(tl.cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, end)
@@ -113,13 +114,13 @@ def paged_decode(
     kv_offsets: torch.Tensor,
     scale: float,
     block_n: int | None = None,
-    prefix_len: torch.Tensor | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (last dim contiguous); kv_slots: flat slot
     lists; kv_offsets: [B + 1] (int32 or int64) on q's device; block_n: None for kv_block's
-    choice; prefix_len: None, or a one-element device tensor P: every real row's first P slots
-    are row 0's (HostBatch.shared_prefix_len), read once for the batch by the shared-prefix
-    kernel. Returns [B, H, D] in q's dtype.
+    choice; prefix: None, or the forward's shared-prefix tables (HostBatch.prefix_groups): each
+    group's prefix is read once for its rows by the shared-prefix kernel and skipped here.
+    Returns [B, H, D] in q's dtype.
     Launch parameters come from shapes only: no host sync, graph-capturable."""
     bsz, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -128,7 +129,7 @@ def paged_decode(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     splits = num_splits(bsz, kv_heads)
     # The prefix kernel's splits from the grid only (a graph replays them for any P).
-    extra = 0 if prefix_len is None else prefix_splits(q, k_cache)
+    extra = 0 if prefix is None else prefix_splits(q, k_cache)
     total = splits + extra
     acc = torch.empty((bsz, heads, total, head_dim), device=q.device, dtype=torch.float32)
     m = torch.empty((bsz, heads, total), device=q.device, dtype=torch.float32)
@@ -140,7 +141,7 @@ def paged_decode(
         v_cache,
         kv_slots,
         kv_offsets,
-        kv_offsets if prefix_len is None else prefix_len,
+        kv_offsets if prefix is None else prefix.row_skip,
         acc,
         m,
         lse,
@@ -163,12 +164,10 @@ def paged_decode(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=block_n or kv_block(k_cache.dtype),
         IEEE=k_cache.dtype == torch.float32,
-        SKIP=prefix_len is not None,
+        SKIP=prefix is not None,
     )
-    if prefix_len is not None:
-        shared_prefix_partials(
-            q, k_cache, v_cache, kv_slots, kv_offsets, prefix_len, acc, m, lse, splits, scale
-        )
+    if prefix is not None:
+        shared_prefix_partials(q, k_cache, v_cache, kv_slots, prefix, acc, m, lse, splits, scale)
     out = torch.empty_like(q)
     merge_splits(acc, m, lse, out)
     return out

@@ -1,16 +1,18 @@
 """Triton shared-prefix attention: a batch's common slot-list prefix read once for all rows.
 
-When every real row of a forward starts with the same P slots (a shared system prompt; the radix
-tree hands all of its requests the same KV slots), reading those slots once per row wastes
-(rows - 1) x P slot reads per layer: at 32 rows x 8k that is nearly all of a decode step's
-memory traffic. Here program (m, split, kvh) takes a block of the batch's query tokens with the
-kv head's whole GQA group (PrefixShape.rows rows), walks its split of the P prefix slots without a
-mask (every new token comes after the prefix) and writes partial (acc, max, sum) triples into
-extra split columns of the caller's partial buffers. The decode and varlen kernels then skip
-the first P slots of each row (their SKIP mode) and one merge combines both (cascade
-attention, as FlashInfer's and Hydragen's). P is read from a device tensor, so a CUDA graph
-captured once serves any prefix length. The tile, passes and splits come from prefix_plan.py,
-which the runner and the routing engine's clock read too.
+When rows of a forward start with the same P slots (a system prompt: the radix tree hands all
+of its requests the same KV slots), reading those slots once per row wastes (rows - 1) x P slot
+reads per layer: at 32 rows x 8k that is nearly all of a decode step's memory traffic. Rows fall
+into groups with a prefix each (prefix_groups.py). Program (tile, split, kvh) takes one tile of
+the tile table (up to PrefixShape.tokens_per_block query tokens of one group, with the kv head's
+whole GQA group), walks its split of the group's prefix slots (the anchor row's) without a mask
+(every new token comes after the prefix) and writes partial (acc, max, sum) triples into extra
+split columns of the caller's partial buffers; tiles of rows outside every group have P = 0 and
+write empty partials. The decode and varlen kernels then skip each row's prefix (their SKIP
+mode) and one merge combines both (cascade attention, as FlashInfer's and Hydragen's). The
+tables live on the device, so a CUDA graph captured once serves any grouping and prefix
+lengths. The tile, passes and splits come from prefix_plan.py, which the runner and the routing
+engine's clock read too.
 
 Imported lazily, on CUDA or under TRITON_INTERPRET=1.
 """
@@ -21,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .context import SharedPrefix
+from .prefix_groups import TILE_FIELDS
 from .prefix_plan import PrefixShape
-from .triton_splitkv import attend_block, load_query_block, store_partial
+from .triton_splitkv import attend_block, load_query_tokens, store_partial
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -31,13 +35,12 @@ def _shared_prefix_kernel(  # type: ignore[no-untyped-def]
     K,
     V,
     Slots,
-    KvOff,
-    PrefixLen,
+    Tiles,
+    Tokens,
     Acc,
     M,
     L,
     sm_scale,
-    num_tokens,
     splits,
     split0,
     stride_qt,
@@ -54,24 +57,26 @@ def _shared_prefix_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     ROWS: tl.constexpr,
-    TOKENS: tl.constexpr,  # ROWS // GROUP_PAD query tokens per program
+    FIELDS: tl.constexpr,  # tile-table columns (prefix_groups.TILE_FIELDS)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    mb = tl.program_id(0)
+    tile = Tiles + tl.program_id(0) * FIELDS
     split = tl.program_id(1)
     kvh = tl.program_id(2)
-    base = tl.load(KvOff)  # row 0's slot list starts with the prefix
-    plen = tl.load(PrefixLen)
+    t0 = tl.load(tile)
+    count = tl.load(tile + 1)
+    base = tl.load(tile + 2)  # the anchor row's slot list starts with the prefix
+    plen = tl.load(tile + 3)  # 0: rows outside every group (empty partials)
     per_split = tl.cdiv(tl.cdiv(plen, splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, plen)
 
-    q, tok, head, row_ok, offs_d, d_mask = load_query_block(
-        Q, 0, mb * TOKENS, num_tokens, kvh, stride_qt, stride_qh, ROWS, GROUP, GROUP_PAD,
-        HEAD_DIM, BLOCK_D,
+    q, tok, head, row_ok, offs_d, d_mask = load_query_tokens(
+        Q, Tokens, t0, count, kvh, stride_qt, stride_qh, ROWS, GROUP, GROUP_PAD, HEAD_DIM,
+        BLOCK_D,
     )  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -106,37 +111,36 @@ def shared_prefix_partials(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_slots: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    prefix_len: torch.Tensor,
+    prefix: SharedPrefix,
     acc: torch.Tensor,
     m: torch.Tensor,
     lse: torch.Tensor,
     split0: int,
     scale: float,
 ) -> None:
-    """Attention of every query row q [T, H, D] over the first prefix_len[0] entries of row 0's
-    slot list (kv_slots[kv_offsets[0]:]), unmasked, written as partials into split columns
-    [split0, acc.shape[2]) of acc [T, H, S, D] and m / lse [T, H, S] (fp32, contiguous). The
-    caller's own kernels fill columns [0, split0) and merge_splits combines all of them.
+    """Attention of the query rows q [T, H, D] over their groups' prefixes (prefix.tiles: each
+    tile's tokens over the first P entries of its anchor's slot list in kv_slots), unmasked,
+    written as partials into split columns [split0, acc.shape[2]) of acc [T, H, S, D] and m /
+    lse [T, H, S] (fp32, contiguous); every token's columns are written (empty outside the
+    groups). The caller's own kernels fill columns [0, split0) and merge_splits combines all.
     Launch parameters come from shapes only: no host sync, graph-capturable."""
-    tokens_total, heads, head_dim = q.shape
+    heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     shape = prefix_shape(q, k_cache)
     splits = acc.shape[2] - split0
     assert splits >= 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     q = q.contiguous()
-    _shared_prefix_kernel[(shape.passes(tokens_total), splits, kv_heads)](
+    _shared_prefix_kernel[(prefix.tiles.numel() // TILE_FIELDS, splits, kv_heads)](
         q,
         k_cache,
         v_cache,
         kv_slots,
-        kv_offsets,
-        prefix_len,
+        prefix.tiles,
+        prefix.tokens,
         acc,
         m,
         lse,
         scale,
-        tokens_total,
         splits,
         split0,
         q.stride(0),
@@ -153,7 +157,7 @@ def shared_prefix_partials(
         GROUP=heads // kv_heads,
         GROUP_PAD=triton.next_power_of_2(heads // kv_heads),
         ROWS=shape.rows,
-        TOKENS=shape.tokens_per_block,
+        FIELDS=TILE_FIELDS,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=shape.block_n,

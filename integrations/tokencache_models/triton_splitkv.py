@@ -52,6 +52,40 @@ def load_query_block(  # type: ignore[no-untyped-def]
     return q, tok, head, row_ok, offs_d, d_mask
 
 
+@triton.jit  # type: ignore[untyped-decorator]
+def load_query_tokens(  # type: ignore[no-untyped-def]
+    Q,
+    Tokens,
+    t0,
+    count,
+    kvh,
+    stride_qt,
+    stride_qh,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """As load_query_block, for the tokens listed at Tokens[t0], Tokens[t0 + 1], ... (count
+    of them) instead of a run of consecutive ones. Returns (q, tok, head, row_ok, offs_d,
+    d_mask); tok: each row's token index in Q."""
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    j = offs_r // GROUP_PAD
+    g = offs_r % GROUP_PAD
+    row_ok = (j < count) & (g < GROUP)
+    d_mask = offs_d < HEAD_DIM
+    tok = tl.load(Tokens + t0 + j, mask=j < count, other=0)
+    head = kvh * GROUP + g
+    q = tl.load(
+        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    return q, tok, head, row_ok, offs_d, d_mask
+
+
 @triton.jit
 def store_partial(  # type: ignore[no-untyped-def]
     Acc,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .context import SharedPrefix
 from .triton_prefix import prefix_splits, shared_prefix_partials
 from .triton_splitkv import (
     attend_block,
@@ -77,7 +78,7 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     PARTIAL: tl.constexpr,  # write (acc, m, l) per split to Acc/M/L instead of Out
-    SKIP: tl.constexpr,  # the first Skip[0] slots are the shared prefix, read elsewhere
+    SKIP: tl.constexpr,  # each row's first Skip[b] slots are its group's prefix, read elsewhere
 ):
     b = tl.program_id(0)
     mb = tl.program_id(1) // splits
@@ -89,7 +90,7 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     kv_len = tl.load(KvOff + b + 1) - kv0
     if SKIP:
         # Causal limits are relative to the slot list's end, so dropping its head is enough.
-        skip = tl.minimum(tl.load(Skip), kv_len - q_len)
+        skip = tl.minimum(tl.load(Skip + b), kv_len - q_len)
         kv0 += skip
         kv_len -= skip
     t0 = mb * TOKENS
@@ -168,29 +169,28 @@ def paged_varlen(
     block_n: int | None = None,
     *,
     splits: int | None = None,
-    prefix_len: torch.Tensor | None = None,
-    shared_len: int = 0,
+    prefix: SharedPrefix | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (request i's new tokens at q_offsets[i]:q_offsets[i+1]); k_cache/v_cache:
     [slots, KVH, D]; kv_slots / kv_offsets: each request's slot list, ending with its new tokens'
     slots; max_q_len: host-known max of the q lengths (sets the grid); rows / block_n: the tile
     (None: 64 x 64, or 32 x 32 for fp32 caches, whose IEEE dots spill at 64 x 64); splits: force the
-    split-KV count (None: varlen_grid's choice); prefix_len: None, or a one-element device tensor
-    P (host value shared_len): every request's first P slots are request 0's
-    (HostBatch.shared_prefix_len), read once for the batch by the shared-prefix kernel and
-    skipped here. Returns [T, H, D]."""
+    split-KV count (None: varlen_grid's choice); prefix: None, or the forward's shared-prefix
+    tables with their host facts (HostBatch.prefix_groups): each group's prefix is read once for
+    its rows by the shared-prefix kernel and skipped here. Returns [T, H, D]."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     bsz = q_offsets.numel() - 1
     block_n = block_n or kv_block(k_cache.dtype)
     rows = rows or kv_block(k_cache.dtype)  # the same rule: 64, or 32 for fp32's IEEE dots
-    kv_read = kv_slots.numel() - (bsz * shared_len if prefix_len is not None else 0)
+    skipped = prefix.skipped if prefix is not None and prefix.skipped else 0
+    kv_read = kv_slots.numel() - skipped
     rows, tokens, m_blocks, auto = varlen_grid(
         bsz, max_q_len, heads, kv_heads, kv_read, rows, block_n
     )
     splits = auto if splits is None else max(1, splits)
-    extra = 0 if prefix_len is None else prefix_splits(q, k_cache, shared_len)
+    extra = 0 if prefix is None else prefix_splits(q, k_cache, prefix.longest)
     q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     out = torch.empty_like(q)  # contiguous, as the merge kernel assumes
@@ -216,7 +216,7 @@ def paged_varlen(
         kv_slots,
         q_offsets,
         kv_offsets,
-        kv_offsets if prefix_len is None else prefix_len,
+        kv_offsets if prefix is None else prefix.row_skip,
         scale,
         splits,
         q.stride(0),
@@ -241,12 +241,10 @@ def paged_varlen(
         BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32,
         PARTIAL=partial,
-        SKIP=prefix_len is not None,
+        SKIP=prefix is not None,
     )
-    if prefix_len is not None:
-        shared_prefix_partials(
-            q, k_cache, v_cache, kv_slots, kv_offsets, prefix_len, acc, m, lse, splits, scale
-        )
+    if prefix is not None:
+        shared_prefix_partials(q, k_cache, v_cache, kv_slots, prefix, acc, m, lse, splits, scale)
     if partial:
         merge_splits(acc, m, lse, out)
     return out

@@ -40,6 +40,12 @@ def test_smoke_run_writes_every_row_and_passes_its_checks(tmp_path: Path) -> Non
     for r in rows:
         assert {"model", "path", "batch", "context", "step_ms"} <= set(r), r
         assert r["step_ms"] > 0 and r["bound_fraction"] > 0 and r["bound_ms"] > 0
+    shared_rows = {
+        (r["batch"], r["prompts"], r["path"]) for r in rows if r["kind"] == "shared decode"
+    }
+    assert shared_rows == {
+        (b, k, p) for b, k in ((3, 1), (4, 2)) for p in ("graphs", "graphs-per-row")
+    }
     graphs_check, shared_check = result["checks"][:2]
     assert graphs_check["ok"] and graphs_check["greedy_tokens_identical"]
     assert graphs_check["max_abs_logit_diff"] <= 1e-4
@@ -54,6 +60,10 @@ def test_smoke_run_writes_every_row_and_passes_its_checks(tmp_path: Path) -> Non
 def test_catchup_spec_and_refusal_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     bench = _bench()
     assert bench.parse_catchups("10x10@8192, 2x3@40") == [(10, 10, 8192), (2, 3, 40)]
+    assert bench.parse_shared("32x8192/160:4, 3x40/4") == [(32, 8192, 160, 4), (3, 40, 4, 1)]
+    for bad in ("3x40/4:0", "3x40/41", "3x40"):
+        with pytest.raises(ValueError):
+            bench.parse_shared(bad)
     with pytest.raises(ValueError):
         bench.parse_catchups("10x10")
     with pytest.raises(ValueError):

@@ -1,7 +1,7 @@
-"""Finding a batch's shared slot-list prefix (the host side of shared-prefix attention).
+"""Finding a batch's shared slot-list prefixes (the host side of shared-prefix attention).
 
 The kernels themselves are checked under the Triton interpreter (test_triton_interpret.py);
-here the pure host functions against a deliberately naive reference, and the context plumbing.
+here the pure host functions against deliberately naive references, and the context plumbing.
 """
 
 from __future__ import annotations
@@ -13,6 +13,15 @@ from hypothesis import strategies as st
 
 from tokencache_models import PRESETS, ForwardBatch, PrefixShape
 from tokencache_models.context import ForwardContext, HostBatch, shared_prefix_len
+from tokencache_models.prefix_groups import (
+    TILE_FIELDS,
+    PrefixGroup,
+    find_prefix_groups,
+    max_tiles,
+    paying_groups,
+    prefix_tables,
+    prefix_traffic,
+)
 
 QWEN3_06B = PrefixShape.of(PRESETS["qwen3-0.6b"])  # GQA group 2, 8 kv heads, head_dim 128
 QWEN3_8B = PrefixShape.of(PRESETS["qwen3-8b"])  # group 4
@@ -97,25 +106,163 @@ def test_when_the_prefix_kernel_pays() -> None:
     assert not QWEN3_06B.pays(2, 600, 2000, decode=False)  # prefill of 2 x 300: 10 passes
 
 
-def test_context_carries_the_prefix_to_the_device() -> None:
-    common = torch.arange(300)
+def naive_common(a: list[int], b: list[int], limit: int) -> int:
+    p = 0
+    while p < limit and a[p] == b[p]:
+        p += 1
+    return p
+
+
+@st.composite
+def grouped_slot_lists(draw: st.DrawFn) -> tuple[list[list[int]], list[int]]:
+    """Rows on a few prompts (some nested: a prompt extending another), or on none, then own
+    slots; a small alphabet so rows also agree by chance."""
+    prompts = [draw(st.lists(st.integers(0, 4), min_size=0, max_size=30)) for _ in range(3)]
+    prompts.append(prompts[0] + draw(st.lists(st.integers(0, 4), min_size=1, max_size=20)))
+    rows, q_lens = [], []
+    for _ in range(draw(st.integers(1, 9))):
+        base = draw(st.sampled_from([*prompts, []]))
+        keep = draw(st.one_of(st.just(len(base)), st.integers(0, len(base))))
+        own = draw(st.lists(st.integers(0, 4), min_size=1, max_size=6))
+        rows.append(base[:keep] + own)
+        q_lens.append(draw(st.integers(1, min(3, len(rows[-1])))))
+    return rows, q_lens
+
+
+def arrays(rows: list[list[int]], q_lens: list[int]) -> tuple[np.ndarray, ...]:
+    kv_off = np.concatenate(([0], np.cumsum([len(r) for r in rows]))).astype(np.int64)
+    q_off = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
+    return np.array([s for r in rows for s in r], dtype=np.int64), kv_off, q_off
+
+
+@settings(max_examples=400, deadline=None)
+@given(grouped_slot_lists(), st.integers(1, 8), st.integers(1, 4))
+# An anchor on the outer prompt only: the rows on the nested one group without it.
+@example(([[1] * 4 + [0], [1] * 9 + [2], [1] * 9 + [3], [1] * 9 + [4]], [1] * 4), 2, 8)
+# Rows sharing a long prefix among many that share a short one with the anchor.
+@example(([[5] * 3 + [0]] + [[5] * 2 + [i] for i in range(1, 7)] + [[5] * 8] * 2, [1] * 9), 2, 8)
+def test_prefix_groups_hold_what_they_claim(
+    case: tuple[list[list[int]], list[int]], min_len: int, max_groups: int
+) -> None:
+    """Against position-by-position checks: groups are disjoint sets of >= 2 real rows whose
+    slot lists agree on [0, P) before any row's new tokens, P >= min_len, and P cannot grow;
+    while fewer than max_groups were found, no two ungrouped rows share min_len slots."""
+    rows, q_lens = case
+    slots, kv_off, q_off = arrays(rows, q_lens)
+    real = len(rows) - (len(rows) > 2)  # a padding row at the end when there are three or more
+    groups = find_prefix_groups(slots, kv_off, q_off, real, min_len, max_groups)
+    caps = [len(r) - q for r, q in zip(rows, q_lens, strict=True)]
+    seen: set[int] = set()
+    assert len(groups) <= max_groups
+    assert [g.rows[0] for g in groups] == sorted(g.rows[0] for g in groups)
+    for g in groups:
+        assert len(g.rows) >= 2 and list(g.rows) == sorted(set(g.rows))
+        assert not seen & set(g.rows) and max(g.rows) < real
+        seen |= set(g.rows)
+        p = g.length
+        assert p >= min_len and all(p <= caps[r] for r in g.rows)
+        anchor = rows[g.rows[0]]
+        assert all(naive_common(anchor, rows[r], p) == p for r in g.rows)
+        # Maximal: a row ends its prefix at P, or two rows differ there.
+        assert any(caps[r] == p for r in g.rows) or len({rows[r][p] for r in g.rows}) > 1
+    if len(groups) < max_groups:
+        alone = [r for r in range(real) if r not in seen]
+        for i, a in enumerate(alone):
+            for b in alone[i + 1 :]:
+                limit = min(caps[a], caps[b])
+                assert naive_common(rows[a], rows[b], limit) < min_len, (a, b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(slot_lists(), st.integers(1, 12))
+def test_one_prompt_makes_one_group(case: tuple[list[list[int]], list[int]], min_len: int) -> None:
+    """Rows that share exactly their common prefix (no two agree further) form one group of
+    all rows with P = shared_prefix_len: the single system prompt case is unchanged."""
+    rows, q_lens = case
+    slots, kv_off, q_off = arrays(rows, q_lens)
+    p = shared_prefix_len(slots, kv_off, q_off, min_len=min_len)
+    caps = [len(r) - q for r, q in zip(rows, q_lens, strict=True)]
+    further = {rows[i][p] for i in range(len(rows)) if caps[i] > p}
+    if p == 0 or len(further) < sum(c > p for c in caps):
+        return  # no prefix, or some rows agree past it (subgroups may then do better)
+    assert find_prefix_groups(slots, kv_off, q_off, min_len=min_len) == [
+        PrefixGroup(tuple(range(len(rows))), p)
+    ]
+
+
+def test_tile_table_covers_every_token_once() -> None:
+    shape = PrefixShape(2, 8, 128)  # 64 tokens per tile
+    q_off = np.concatenate(([0], np.cumsum([1] * 100 + [30, 50]))).astype(np.int64)
+    kv_off = np.arange(len(q_off), dtype=np.int64) * 1000
+    groups = [PrefixGroup(tuple(range(0, 100, 2)), 500), PrefixGroup((1, 100, 101), 300)]
+    t = prefix_tables(groups, q_off, kv_off, shape)
+    assert sorted(t.tokens.tolist()) == list(range(180))
+    # Group 0: 50 tokens (one tile); group 1: 1 + 30 + 50 tokens (two tiles); the other 49
+    # rows' tokens: one tile with P = 0.
+    assert t.tiles.tolist() == [
+        [0, 50, 0, 500],
+        [50, 64, 1000, 300],
+        [114, 17, 1000, 300],
+        [131, 49, 0, 0],
+    ]
+    assert t.tokens[50:53].tolist() == [1, 100, 101]  # row 100's token, then row 101's
+    assert t.row_skip[:4].tolist() == [500, 300, 500, 0] and t.row_skip[100:].tolist() == [300] * 2
+    assert t.longest == 500
+    padded = prefix_tables(groups, q_off, kv_off, shape, max_tiles(shape, 180))
+    assert padded.num_tiles == max_tiles(shape, 180) == 3 + 8
+    assert np.array_equal(padded.tiles[:4], t.tiles) and not padded.tiles[4:].any()
+    assert padded.arrays()[1].size == padded.num_tiles * TILE_FIELDS
+
+
+def test_groups_pay_together_against_the_partials() -> None:
+    """Every query token writes partials once any group takes the path, so groups pay as a
+    whole: two rows on a long prefix in a batch of 32 do not cover 32 tokens' partials."""
+    q_off = np.arange(33, dtype=np.int64)
+    both = [PrefixGroup(tuple(range(16)), 3000), PrefixGroup(tuple(range(16, 32)), 2000)]
+    assert paying_groups(both, q_off, QWEN3_8B, decode=True) == both
+    skipped, read = prefix_traffic(both, q_off, QWEN3_8B, decode=True)
+    assert skipped == 16 * 3000 + 16 * 2000
+    assert read == 3000 + 2000 + QWEN3_8B.overhead_slots(32) == 5000 + 4420
+    pair = [PrefixGroup((0, 1), 3000)]
+    assert QWEN3_8B.pays(2, 2, 3000, decode=True)  # alone in a batch of two it would
+    assert paying_groups(pair, q_off, QWEN3_8B, decode=True) == []  # 3000 < 4420 of partials
+    # A group whose tokens need as many tiles as it has rows never pays (a long prefill).
+    prefill = np.array([0, 300, 600, 601], dtype=np.int64)
+    long_rows = [PrefixGroup((0, 1), 5000), PrefixGroup((1, 2), 5000)]
+    assert paying_groups(long_rows[:1], prefill, QWEN3_06B, decode=False) == []
+
+
+def test_context_carries_the_groups_to_the_device() -> None:
+    common, other = torch.arange(300), torch.arange(3000, 3250)
     own = [torch.arange(400 + 10 * i, 405 + 10 * i) for i in range(8)]
     new = [torch.tensor([600 + i]) for i in range(8)]
-    decode = ForwardBatch.from_requests([[1]] * 8, [torch.cat((common, o)) for o in own], new)
+    prompts = [common if i % 2 == 0 else other for i in range(8)]
+    pre = [torch.cat((p, o)) for p, o in zip(prompts, own, strict=True)]
+    decode = ForwardBatch.from_requests([[1]] * 8, pre, new)
     tiny = PrefixShape(1, 1, 64)  # one query head: partials of 8 rows are 528 slots
     ctx = ForwardContext.build(decode, torch.device("cpu"), 999, shared_prefix=tiny)
-    assert ctx.shared_len == 300 and ctx.prefix_len is not None
-    assert ctx.prefix_len.tolist() == [300]
-    assert ForwardContext.build(decode, torch.device("cpu"), 999).shared_len == 0  # off
+    assert ctx.prefix is not None and ctx.prefix.groups is not None
+    assert [(g.rows, g.length) for g in ctx.prefix.groups] == [
+        ((0, 2, 4, 6), 300),
+        ((1, 3, 5, 7), 250),
+    ]
+    assert ctx.prefix.skipped == 4 * 300 + 4 * 250 and ctx.prefix.longest == 300
+    assert ctx.prefix.row_skip.tolist() == [300, 250] * 4
+    t = prefix_tables(ctx.prefix.groups, HostBatch.from_batch(decode).q_offsets,
+                      HostBatch.from_batch(decode).kv_offsets, tiny)  # fmt: skip
+    assert ctx.prefix.tiles.tolist() == t.tiles.reshape(-1).tolist()
+    assert ctx.prefix.tokens.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert ForwardContext.build(decode, torch.device("cpu"), 999).prefix is None  # off
     hb = HostBatch.from_batch(decode)
     padded = hb.padded(16, 999)  # padding rows share nothing, but the kernel runs them
-    assert padded.shared_prefix(tiny) == 300
-    assert tiny.overhead_slots(16) == 2 * tiny.overhead_slots(8)
-    # The 8B shape: 300 + 1105 slots of partials < 8 x 300; at a 100-slot prefix, not.
-    assert hb.shared_prefix(QWEN3_8B) == 300
-    short = ForwardBatch.from_requests([[1]] * 8, [torch.cat((common[:100], o)) for o in own], new)
-    assert HostBatch.from_batch(short).shared_prefix_len() == 100
-    assert HostBatch.from_batch(short).shared_prefix(QWEN3_8B) == 0
+    assert [g.length for g in padded.prefix_groups(tiny)] == [300, 250]
+    # The 8B shape: 550 + 1105 slots of partials < 2200 skipped; at 100-slot prefixes, not.
+    assert len(hb.prefix_groups(QWEN3_8B)) == 2
+    short = ForwardBatch.from_requests(
+        [[1]] * 8, [torch.cat((p[:100], o)) for p, o in zip(prompts, own, strict=True)], new
+    )
+    assert len(find_prefix_groups(*arrays_of(short))) == 2
+    assert HostBatch.from_batch(short).prefix_groups(QWEN3_8B) == []
     # Two long prefills over the prefix: reading it per row is cheaper than 5 passes.
     prefill = ForwardBatch.from_requests(
         [[1] * 300] * 2,
@@ -123,4 +270,21 @@ def test_context_carries_the_prefix_to_the_device() -> None:
         [torch.arange(1000, 1300), torch.arange(2000, 2300)],
     )
     assert HostBatch.from_batch(prefill).shared_prefix_len() == 300
-    assert ForwardContext.build(prefill, torch.device("cpu"), 999, None, None, tiny).shared_len == 0
+    assert ForwardContext.build(prefill, torch.device("cpu"), 999, None, None, tiny).prefix is None
+
+
+def arrays_of(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    hb = HostBatch.from_batch(batch)
+    return hb.kv_slots, hb.kv_offsets, hb.q_offsets
+
+
+def test_an_anchor_that_diverges_early_is_left_out() -> None:
+    """The first row shares only the outer prompt: grouping the three on the nested prompt
+    without it saves 2 x 9 reads, with it 3 x 4."""
+    rows = [[1] * 4 + [0], [1] * 9 + [2], [1] * 9 + [3], [1] * 9 + [4]]
+    groups = find_prefix_groups(*arrays(rows, [1] * 4), min_len=2)
+    assert groups == [PrefixGroup((1, 2, 3), 9)]
+    # Many rows on the outer prompt: keeping them all saves more (6 x 4 > 1 x 9).
+    rows = [[1] * 4 + [i] for i in range(6)] + [[1] * 9 + [7], [1] * 9 + [8]]
+    groups = find_prefix_groups(*arrays(rows, [1] * 8), min_len=2)
+    assert groups == [PrefixGroup(tuple(range(8)), 4)]

@@ -184,88 +184,122 @@ print("OK")
 """
 
 PREFIX = r"""
-# Shared-prefix (cascade) attention: rows whose slot lists start with the same P slots read
-# them once through the prefix kernel; the per-row kernels skip them; one merge. Against the
-# torch path (every row reads its whole list) and against the kernels without the prefix path.
-from tokencache_models.context import HostBatch, shared_prefix_len
+# Shared-prefix (cascade) attention: groups of rows whose slot lists start with the same slots
+# read them once through the prefix kernel; the per-row kernels skip them; one merge. Against
+# the torch path (every row reads its whole list) and against the kernels without the prefix
+# path.
+from tokencache_models.context import HostBatch, SharedPrefix
+from tokencache_models.prefix_groups import find_prefix_groups, max_tiles, prefix_tables
 from tokencache_models.triton_decode import paged_decode
 from tokencache_models.triton_varlen import paged_varlen
+import tokencache_models.triton_prefix as triton_prefix
 
-def build(shared, tails, q_lens, kv_heads, head_dim, extra_rows=0):
-    # Requests share `shared` page-scattered slots, then own `tails[i]` slots, then q_lens[i] new.
-    total = shared + sum(tails) + sum(q_lens) + 8
+def build(segments, rows, tails, q_lens, kv_heads, head_dim):
+    # Row i's slot list: the named prompt segments rows[i] (page-scattered slots every row
+    # naming them shares), then tails[i] slots of its own, then q_lens[i] new ones.
+    total = sum(segments.values()) + sum(tails) + sum(q_lens) + 8
     kc = torch.randn(total + 1, kv_heads, head_dim)
     vc = torch.randn(total + 1, kv_heads, head_dim)
-    perm = torch.randperm(total)
-    common, perm = perm[:shared], perm[shared:]
-    own, new = scattered_requests(perm, tails, q_lens)
-    pre = [torch.cat((common, o)) for o in own]
-    toks = [[0] * n for n in q_lens]
-    return ForwardBatch.from_requests(toks, pre, new), kc, vc
+    perm, seg, o = torch.randperm(total), {}, 0
+    for name, n in segments.items():
+        seg[name], o = perm[o : o + n], o + n
+    own, new = scattered_requests(perm[o:], tails, q_lens)
+    pre = [torch.cat([seg[x] for x in r] + [t]) for r, t in zip(rows, own)]
+    return ForwardBatch.from_requests([[0] * n for n in q_lens], pre, new), kc, vc
 
 
-def check(heads, kv_heads, head_dim, shared, tails, q_lens, expect_p=None, pad=0):
-    batch, kc, vc = build(shared, tails, q_lens, kv_heads, head_dim)
+def on_device(tables):
+    groups = tables.groups
+    return SharedPrefix(*(torch.from_numpy(a) for a in tables.arrays()), groups=groups,
+                        skipped=sum(len(g.rows) * g.length for g in groups),
+                        longest=max((g.length for g in groups), default=0))
+
+
+def check(heads, kv_heads, head_dim, segments, rows, tails, q_lens, expect, pad=0):
+    batch, kc, vc = build(segments, rows, tails, q_lens, kv_heads, head_dim)
     hb = HostBatch.from_batch(batch)
     if pad:
         hb = hb.padded(len(q_lens) + pad, kc.shape[0] - 1)
-    p = hb.shared_prefix_len(min_len=1)
-    assert p == (shared if expect_p is None else expect_p), (p, shared)
+    n = len(q_lens)
+    groups = find_prefix_groups(hb.kv_slots, hb.kv_offsets, hb.q_offsets, n, min_len=1)
+    assert [(g.rows, g.length) for g in groups] == expect, groups
     q = torch.randn(len(hb.token_ids), heads, head_dim)
     scale = head_dim**-0.5
     ref_batch = ForwardBatch(*(torch.from_numpy(a) for a in (
         hb.token_ids, hb.positions, hb.out_slots, hb.q_offsets, hb.kv_slots, hb.kv_offsets)))
     ref, ctx = torch_reference(ref_batch, q, kc, vc, scale)
     slots, q_off, kv_off = ref_batch.kv_slots, ref_batch.q_offsets, ref_batch.kv_offsets
-    n = len(q_lens)
-    for plen in (p, 0):  # P = 0 on the prefix path: what a graph replays for a batch without one
-        dev_p = torch.tensor([plen])
+    shape = triton_prefix.prefix_shape(q, kc)
+    tables = [
+        prefix_tables(groups, hb.q_offsets, hb.kv_offsets, shape),
+        # A graph's table: padded with empty tiles up to its fixed count.
+        prefix_tables(groups, hb.q_offsets, hb.kv_offsets, shape,
+                      max_tiles(shape, len(hb.token_ids), max(len(groups), 1))),
+        # No group on the prefix path: every tile empty (P = 0).
+        prefix_tables([], hb.q_offsets, hb.kv_offsets, shape),
+    ]
+    for t in tables:
+        assert sorted(t.tokens.tolist()) == list(range(len(hb.token_ids)))  # each token once
+    outs = []
+    for prefix in [on_device(t) for t in tables] + [None]:
         if ctx.is_decode:
-            outs = [paged_decode(q, kc, vc, slots, kv_off, scale, block_n=16, prefix_len=dev_p),
-                    paged_decode(q, kc, vc, slots, kv_off, scale, block_n=16)]
+            outs.append(paged_decode(q, kc, vc, slots, kv_off, scale, block_n=16, prefix=prefix))
         else:
-            outs = [paged_varlen(q, kc, vc, slots, q_off, kv_off, scale, ctx.max_q_len, rows=16,
-                                 block_n=16, prefix_len=dev_p, shared_len=plen),
-                    paged_varlen(q, kc, vc, slots, q_off, kv_off, scale, ctx.max_q_len, rows=16,
-                                 block_n=16)]
-        real = int(q_off[n])  # padding rows are computed and dropped
-        for out in outs:
-            assert not out[:real].isnan().any()
-            err = (out[:real] - ref[:real]).abs().max().item()
-            assert err < 1e-4, (heads, kv_heads, shared, tails[:4], q_lens[:4], plen, err)
+            outs.append(paged_varlen(q, kc, vc, slots, q_off, kv_off, scale, ctx.max_q_len,
+                                     rows=16, block_n=16, prefix=prefix))
+    real = int(q_off[n])  # padding rows are computed and dropped
+    for out in outs:
+        assert not out[:real].isnan().any()
+        err = (out[:real] - ref[:real]).abs().max().item()
+        assert err < 1e-4, (heads, kv_heads, segments, rows[:4], q_lens[:4], err)
 
 
-# Decode, GQA 4 and 3 (padded to 4), odd head_dim; tails from none to several blocks.
-check(8, 2, 32, 200, [0, 5, 64, 130, 1], [1] * 5)
-check(6, 2, 24, 77, [3, 0, 40], [1] * 3)
-# Decode with padding rows (a CUDA-graph bucket): they keep their one scratch slot.
-check(4, 2, 16, 150, [2, 9, 30], [1] * 3, pad=5)
+A = {"A": 200}
+# Decode, one prompt for all, GQA 4 and 3 (padded to 4), odd head_dim; tails from none to
+# several blocks.
+check(8, 2, 32, A, [["A"]] * 5, [0, 5, 64, 130, 1], [1] * 5, [((0, 1, 2, 3, 4), 200)])
+check(6, 2, 24, {"A": 77}, [["A"]] * 3, [3, 0, 40], [1] * 3, [((0, 1, 2), 77)])
+# Decode with padding rows (a CUDA-graph bucket): outside every group, they keep their slot.
+check(4, 2, 16, {"A": 150}, [["A"]] * 3, [2, 9, 30], [1] * 3, [((0, 1, 2), 150)], pad=5)
 # Long shared prefix (~8k), short tails, as a shared system prompt at 8k context.
-check(2, 1, 16, 8150, [31, 12, 40, 7], [1] * 4)
-# Catch-ups (several new tokens each) over a shared prefix; one with no own tail.
-check(4, 2, 16, 300, [0, 17, 3], [5, 12, 1])
-check(2, 1, 16, 2000, [100, 4], [10, 10])
+check(2, 1, 16, {"A": 8150}, [["A"]] * 4, [31, 12, 40, 7], [1] * 4, [((0, 1, 2, 3), 8150)])
+# Two prompts interleaved with rows on none (and one row alone on a third).
+two = {"A": 130, "B": 90, "C": 70}
+rows = [["A"], ["B"], [], ["A"], ["B"], ["C"], ["A"]]
+check(4, 2, 16, two, rows, [3, 0, 5, 17, 2, 4, 1], [1] * 7, [((0, 3, 6), 130), ((1, 4), 90)])
+# Nested prompts, the first row on the outer one only: the three on A + B group without it.
+nest = {"A": 70, "B": 120}
+check(4, 2, 16, nest, [["A"], ["A", "B"], ["A", "B"], ["A", "B"]], [5, 1, 2, 3], [1] * 4,
+      [((1, 2, 3), 190)])
+# Catch-ups (several new tokens each) over shared prefixes; one with no own tail.
+check(4, 2, 16, {"A": 300}, [["A"]] * 3, [0, 17, 3], [5, 12, 1], [((0, 1, 2), 300)])
+check(2, 1, 16, {"A": 2000}, [["A"]] * 2, [100, 4], [10, 10], [((0, 1), 2000)])
+check(4, 2, 16, two, [["B"], ["A"], ["B"], ["A"], []], [2, 0, 9, 4, 6], [3, 7, 1, 2, 4],
+      [((0, 2), 90), ((1, 3), 130)])
 # The 16-bit caches' tile (128 rows: 64 tokens of a group of 2) on fp32 data: 70 decode rows
-# make two query blocks, the second one mostly past the last token.
-import tokencache_models.triton_prefix as triton_prefix
+# in two groups, each spanning two tiles.
 from tokencache_models.prefix_plan import PrefixShape
 triton_prefix.prefix_shape = lambda q, k: PrefixShape(q.shape[1] // k.shape[1], k.shape[1],
                                                       q.shape[2], itemsize=2)
-check(4, 2, 16, 90, [i % 5 for i in range(70)], [1] * 70)
-check(4, 2, 16, 90, [3, 0, 9], [40, 30, 2])
-# Rows that diverge inside the prefix: P is the common part only.
-batch, kc, vc = build(100, [10, 10], [1, 1], 1, 16)
+check(4, 2, 16, {"A": 90}, [["A"]] * 70, [i % 5 for i in range(70)], [1] * 70,
+      [(tuple(range(70)), 90)])
+rows = [["A"] if i % 3 else ["B"] for i in range(70)]
+check(4, 2, 16, {"A": 90, "B": 75}, rows, [i % 4 for i in range(70)], [1] * 70,
+      [(tuple(i for i in range(70) if i % 3 == 0), 75),
+       (tuple(i for i in range(70) if i % 3), 90)])
+check(4, 2, 16, {"A": 90}, [["A"]] * 3, [3, 0, 9], [40, 30, 2], [((0, 1, 2), 90)])
+# Rows that diverge inside the prefix: a group's P is their common part only.
+batch, kc, vc = build({"A": 100}, [["A"]] * 2, [10, 10], [1, 1], 1, 16)
 slots = batch.kv_slots.clone()
 off = int(batch.kv_offsets[1])
 slots[off + 60] = int(slots[0])  # row 1 differs from row 0 at index 60
-assert shared_prefix_len(slots.numpy(), batch.kv_offsets.numpy(), batch.q_offsets.numpy(),
-                         min_len=1) == 60
-assert shared_prefix_len(slots.numpy(), batch.kv_offsets.numpy(), batch.q_offsets.numpy(),
-                         min_len=64) == 0
+args = (slots.numpy(), batch.kv_offsets.numpy(), batch.q_offsets.numpy())
+assert [(g.rows, g.length) for g in find_prefix_groups(*args, min_len=1)] == [((0, 1), 60)]
+assert find_prefix_groups(*args, min_len=64) == []
 
-# Whole model: four requests on one 100-token system prompt, decode and catch-up steps through
-# the Triton backend (prefix path on) against the torch backend, then the padded static decode
-# path (what a CUDA graph replays) against eager.
+# Whole model: four requests on one 100-token system prompt and two on a 200-token one, decode
+# and catch-up steps through the Triton backend (prefix path on) against the torch backend, then
+# the padded static decode path (what a CUDA graph replays) against eager.
 import dataclasses
 from tokencache_models import QWEN3_0_6B, GreedyRunner, random_model
 from tokencache_models.graphs import DecodeGraphRunner
@@ -276,15 +310,18 @@ cfg = dataclasses.replace(
 )
 runners = []
 system = [int(t) for t in torch.randint(0, 64, (100,))]
+other = [int(t) for t in torch.randint(0, 64, (200,))]
 for backend in ("triton", "torch"):
     model = random_model(cfg, seed=0, std=0.2, attention_backend=backend)
-    r = GreedyRunner(model, model.make_kv_pool(512))
-    first = r.add_request(system + [1, 2, 3])
-    r.step([first])
+    r = GreedyRunner(model, model.make_kv_pool(1024))
+    first, second = r.add_request(system + [1, 2, 3]), r.add_request(other + [5])
+    r.step([first, second])
     rids = [first] + [r.add_request(system + [4 + i] * (i + 1), first, 100) for i in range(3)]
+    rids[2:2] = [second, r.add_request(other + [9, 9], second, 200)]
     runners.append((model, r, rids))
 (tm, tr, rids), (_, rr, _) = runners
-tr.step(rids[1:]), rr.step(rids[1:])  # the others' own prompt tails
+late = [i for i in rids if i not in (first, second)]
+tr.step(late), rr.step(late)  # the others' own prompt tails
 shared_seen = []
 for step in range(4):
     if step == 2:  # a catch-up: two requests get three tokens each from "the large model"
@@ -294,12 +331,13 @@ for step in range(4):
     batch = ForwardBatch.from_requests(
         [tr.requests[i].pending for i in rids], [tr.requests[i].slots for i in rids],
         [torch.zeros(len(tr.requests[i].pending), dtype=torch.int64) for i in rids])
-    shared_seen.append(tm.build_context(batch, tr.pool, tm.attention()).shared_len)
+    prefix = tm.build_context(batch, tr.pool, tm.attention()).prefix
+    shared_seen.append(sorted(g.length for g in prefix.groups) if prefix else [])
     a, b = tr.step(rids), rr.step(rids)
     err = (a.logits - b.logits).abs().max().item()
     assert err < 1e-4, (step, err)
     assert a.logits.argmax(-1).tolist() == b.logits.argmax(-1).tolist()
-assert shared_seen == [100] * 4, shared_seen  # the prefix path ran in every step
+assert shared_seen == [[100, 200]] * 4, shared_seen  # the prefix path ran in every step
 hb = HostBatch.from_batch(ForwardBatch.from_requests(
     [tr.requests[i].pending for i in rids], [tr.requests[i].slots for i in rids],
     [tr.pool.alloc(1) for _ in rids]))
@@ -334,7 +372,7 @@ for batch, shared in (
     ref = ref_model(batch, ref_pool)
     backend = model.attention()
     ctx = model.build_context(batch, pool, backend)
-    assert ctx.shared_len == shared, (ctx.shared_len, shared)
+    assert (ctx.prefix.longest if ctx.prefix else 0) == shared, (ctx.prefix, shared)
     saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu", "numpy")}
 
     def refuse(*args, **kwargs):
