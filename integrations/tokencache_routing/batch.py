@@ -11,6 +11,7 @@ import torch
 
 from tokencache_models import ForwardBatch, ForwardOutput
 
+from .clock import NO_PREFIX, PrefixRead
 from .kv import KVHandle, ModelSide
 from .routers import Router, RouterFeatures
 from .state import Request
@@ -104,9 +105,9 @@ class PreparedForward:
     new_slots: np.ndarray
     fb: ForwardBatch
     done: bool = False
-    # P: leading slots every row shares, read once by a shared-prefix runner; set by the engine
-    # when its GPU clock models one (0: none, or not asked)
-    shared_prefix: int = 0
+    # The prefix groups a shared-prefix runner reads once and their traffic (GpuClock.prefix_of);
+    # set by the engine when its GPU clock models one (NO_PREFIX: none, or not asked)
+    shared_prefix: PrefixRead = NO_PREFIX
 
     @property
     def num_tokens(self) -> int:

@@ -3,18 +3,20 @@
     python -m tokencache_routing.bench [--quick] [--clock gpu|measured]
         [--profile h200-2026-11-30|h200-roofline] [--[no-]shared-prefix]
         [--contexts 2048 8192] [--rates 0.05 0.1 0.2] [--max-running 32]
-        [--dispatches naive naive-sglang tokencache threaded] [--out DIR]
+        [--system-prompts K] [--dispatches naive naive-sglang tokencache threaded] [--out DIR]
 
-A serving workload: N = --requests-per-slot x max_running requests (a shared system prompt plus
-each request's own text, --context tokens in all once generated) submitted at once and admitted
-continuously as places free up. Tiny random models compute the tokens on this CPU; the engine
-clock prices every forward (default --clock gpu: a GpuClock at Qwen3-0.6B / Qwen3-8B shapes on
-a GPU cost profile fitted to H200 measurements, plus the tree bookkeeping measured here), so a
-schedule is judged by GPU-shaped costs. Every system runs on the same modelled runner: with
---shared-prefix (the roofline profile's default) it reads the slot-list prefix all rows of a
-forward share (the system prompt) once per block of query rows, not once per row; the report's
-clock line says which. "threaded" runs on wall time (its two workers really overlap), so its
-rows are CPU measurements whatever the clock.
+A serving workload: N = --requests-per-slot x max_running requests (a system prompt plus each
+request's own text, --context tokens in all once generated) submitted at once and admitted
+continuously as places free up. Request i starts with system prompt i mod K of K distinct ones
+(--system-prompts, default 1: one prompt shared by all), each of the same length, all primed
+in both trees. Tiny random models compute the tokens on this CPU; the engine clock prices every
+forward (default --clock gpu: a GpuClock at Qwen3-0.6B / Qwen3-8B shapes on a GPU cost profile
+fitted to H200 measurements, plus the tree bookkeeping measured here), so a schedule is judged
+by GPU-shaped costs. Every system runs on the same modelled runner: with --shared-prefix (the
+roofline profile's default) it reads the slot-list prefix each group of a forward's rows
+shares (their system prompt) once per block of the group's query rows, not once per row; the
+report's clock line says which, and how many system prompts. "threaded" runs on wall time (its
+two workers really overlap), so its rows are CPU measurements whatever the clock.
 
 Per (context, p, system): decode tokens/s, time to first token and per-token latency p50/p99
 (engine clock), small-model batch occupancy (batch / min(max_running, admitted requests)),
@@ -23,7 +25,8 @@ engine clock's time); bounds: the small model alone, the large model alone, the 
 (small-alone time plus the tokencache run's large catch-up time) and the ceiling (small-alone
 time plus the least the large model's tokens and KV reads can cost: each escalation's context,
 less, with shared-prefix reads, the longest prefix two requests share, which is read only as
-often as one forward of all of them would: no one-device schedule beats it on the GPU clock).
+often as one forward of all of them would, whatever K: no one-device schedule beats it on the
+GPU clock).
 Markdown table on stdout, bench.json and bench.png (when matplotlib is installed) in --out.
 """
 
@@ -76,10 +79,22 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def make_prompts(n: int, shared: int, unique: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(
+    n: int, shared: int, unique: int, vocab: int, seed: int, system_prompts: int = 1
+) -> list[list[int]]:
+    """n prompts: prompt i is system prompt i mod system_prompts (each `shared` random tokens)
+    plus `unique` of its own. The system prompts are drawn first, so one prompt gives the
+    same prompts whatever the count (K=1 is the historical workload, bit for bit)."""
+    if system_prompts < 1:
+        raise ValueError(f"system_prompts must be >= 1, got {system_prompts}")
     rng = __import__("numpy").random.default_rng(seed)
-    base = rng.integers(0, vocab, shared).tolist()
-    return [base + rng.integers(0, vocab, unique).tolist() for _ in range(n)]
+    bases = [rng.integers(0, vocab, shared).tolist() for _ in range(system_prompts)]
+    return [bases[i % system_prompts] + rng.integers(0, vocab, unique).tolist() for i in range(n)]
+
+
+def system_prompts_of(prompts: Sequence[Sequence[int]], shared: int) -> list[list[int]]:
+    """The distinct `shared`-token system prompts of prompts, in order of first use."""
+    return [list(s) for s in dict.fromkeys(tuple(q[:shared]) for q in prompts)]
 
 
 def longest_common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -168,9 +183,10 @@ def run(
         min_occupancy=a.min_occupancy,
         max_parked=a.max_parked,
     )
-    # The shared prompt once, each admitted request's own tokens, room for the cache to work.
+    # Each system prompt once, each admitted request's own tokens, room for the cache to work.
+    systems = system_prompts_of(prompts, shared)
     own = max(len(q) for q in prompts) - shared + max_new
-    slots = shared + sched.max_admitted * own + 1024
+    slots = len(systems) * shared + sched.max_admitted * own + 1024
     eng = RoutedEngine(
         small,
         large,
@@ -182,9 +198,11 @@ def run(
         mode=mode,
         topology=a.topology,
     )
-    # Prime both trees with the shared system prompt (a server's steady state), then measure.
+    # Prime both trees with every system prompt (a server's steady state), then measure.
     eng.sched.router = ScriptedRouter(every=True)
-    eng.submit(prompts[0][:shared], 1, route_key=-1).wait()
+    primes = [eng.submit(s, 1, route_key=-1 - k) for k, s in enumerate(systems)]
+    for h in primes:
+        h.wait()
     eng.sched.router = router
     start, clock0 = eng.stats.copy(), eng.now()
     t0 = time.perf_counter()
@@ -198,29 +216,35 @@ def run(
     times = [h.token_times for h in handles]
     gaps = [b - a_ for ts in times for a_, b in itertools.pairwise(ts)]
     gpu = eng.gpu_clock
-    # The catch-ups priced as the clock priced them (their shared prefixes read once when the
-    # clock's runner does that); and the least any schedule pays for the large model's tokens:
-    # each escalation is one row of some forward over that request's whole context (the next
-    # token is the small model's), so every schedule of this router's decisions reads at least
-    # GpuClock.least_kv_read of these rows: with shared-prefix reads, each row's context beyond
-    # the longest prefix two requests have in common (no two rows of a forward share more
-    # slots than their tokens), and that prefix as few times as one forward of them all would.
+    # The catch-ups priced as the clock priced them (their groups' shared prefixes read once
+    # when the clock's runner does that); and the least any schedule pays for the large model's
+    # tokens: each escalation is one row of some forward over that request's whole context (the
+    # next token is the small model's), so every schedule of this router's decisions reads at
+    # least GpuClock.least_kv_read of these rows: with shared-prefix reads, each row's context
+    # beyond the longest prefix two requests have in common (no two rows of a forward share
+    # more slots than their tokens), and that prefix as few times as one forward of them all
+    # would (a valid bound for any number of system prompts, looser with more).
     sizes, toks, kvs = st.catchup_batch_sizes, st.catchup_tokens, st.catchup_kv_tokens
     prefixes = st.catchup_shared_prefix
-    extra: dict[str, Any] = {"topology": eng.topology}
+    extra: dict[str, Any] = {"topology": eng.topology, "system_prompts": len(systems)}
     large_s, floor = st.large_forward_s, 0.0
     if gpu is not None:
         rows4 = list(zip(sizes, toks, kvs, prefixes, strict=True))
         large_s = sum(gpu.forward_s(1, b, t, kv, pre) for b, t, kv, pre in rows4)
-        read = sum(gpu.kv_read(1, b, t, kv, pre) for b, t, kv, pre in rows4)
+        read = sum(gpu.kv_read(kv, pre) for kv, pre in zip(kvs, prefixes, strict=True))
         seqs = [[*q, *h.tokens] for q, h in zip(prompts, handles, strict=True)]
         shareable = longest_common_prefix(seqs)
-        assert max(prefixes, default=0) <= shareable, "a forward shared more than its tokens"
+        longest = max((pre.longest for pre in prefixes), default=0)
+        assert longest <= shareable, "a forward shared more than its tokens"
         least = gpu.least_kv_read(1, sum(kvs), sum(sizes), shareable)
         floor = gpu.floor_s(1, sum(toks), least)
+        # Catch-ups that read a prefix once, and how many groups they read at most.
+        shared_catchups = sum(1 for pre in prefixes if pre.groups)
+        most_groups = max((len(pre.groups) for pre in prefixes), default=0)
         extra |= {"shared_prefix": gpu.shared_prefix, "shareable_prefix": shareable,
                   "catchup_kv_context": sum(kvs), "catchup_kv_read": read,
-                  "catchup_kv_floor": least}  # fmt: skip
+                  "catchup_kv_floor": least, "catchups_sharing": shared_catchups,
+                  "catchup_most_groups": most_groups}  # fmt: skip
     assert eng.idle_invariant(), f"{system}: engine not idle after the run"
     return Row(
         context=len(prompts[0]) + max_new,
@@ -352,6 +376,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests-per-slot", type=int, default=4, help="N = this x max_running")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--unique-prompt", type=int, default=32, help="each request's own tokens")
+    ap.add_argument(
+        "--system-prompts",
+        type=int,
+        default=1,
+        metavar="K",
+        help="distinct system prompts (each of the same length; request i gets prompt i mod K)",
+    )
     ap.add_argument("--min-large-batch", type=int, default=32)
     ap.add_argument("--max-wait", type=int, default=8, help="max wait in small steps")
     ap.add_argument("--min-occupancy", type=float, default=0.8, help="SchedulerConfig's")
@@ -373,6 +404,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out/routing", help="folder for bench.json, bench.png")
     a = ap.parse_args(argv)
+    if a.system_prompts < 1:
+        ap.error(f"--system-prompts must be >= 1, got {a.system_prompts}")
     if a.quick:
         a.contexts, a.rates, a.max_running, a.requests_per_slot = [96], [0.1], 4, 2
         a.max_new, a.unique_prompt, a.min_large_batch = 8, 8, 2
@@ -410,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: list[Row] = []
     for ctx, p, system in bar:
         shared = max(1, ctx - a.max_new - a.unique_prompt)
-        prompts = make_prompts(n, shared, a.unique_prompt, 512, a.seed)
+        prompts = make_prompts(n, shared, a.unique_prompt, 512, a.seed, a.system_prompts)
         rows.append(run(system, p, prompts, shared, a.max_new, models, a))
     if not a.no_bounds:
         for ctx in a.contexts:
@@ -426,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"clock: {clock} + bookkeeping measured here; threaded rows: wall time on this CPU. "
         f"{n} requests, max_running {a.max_running}, {a.max_new} new tokens each, "
         f"min_large_batch {a.min_large_batch}, max_wait {a.max_wait} steps, "
-        f"min_occupancy {a.min_occupancy}, topology {a.topology}\n"
+        f"min_occupancy {a.min_occupancy}, topology {a.topology}, "
+        f"{a.system_prompts} system prompt{'s' if a.system_prompts > 1 else ''}\n"
     )
     print(table(rows))
     out = Path(a.out)

@@ -7,13 +7,17 @@ shapes of real models, fitted to GPU measurements kept in data/*.json (refit whe
 benches/gpu records new ones: `GpuClock.fit(path, ...)`).
 
 kv_tokens is the KV slots the modelled runner reads. A runner with shared-prefix ("cascade")
-attention (`shared_prefix=True`) reads the P leading slot-list entries common to every row of a
-forward (tokencache_models.shared_prefix_len: a shared system prompt, P >= MIN_SHARED_PREFIX, at
-least two rows) once per block of query rows instead of once per row, and pays for the split
-partials its kernel writes and merges: sum(kv_lens) - rows*P + P*passes + partials
-(tokencache_models.PrefixShape, bf16 caches), where that is less than rows*P (PrefixShape.pays:
-the runner's rule; long catch-ups, prefills and short prefixes read it per row); without it
-every row reads its whole slot list, sum(kv_lens). `describe()` names the mode.
+attention (`shared_prefix=True`) finds, from a forward's slot lists, groups of rows whose slot
+lists start alike (tokencache_models.find_prefix_groups: rows on one system prompt share its KV
+slots, so a batch over K prompts holds up to K groups, at most MAX_PREFIX_GROUPS), keeps the
+groups that pay (tokencache_models.paying_groups: the runner's own rule, all-or-nothing against
+the split partials every query token then writes and merges) and reads each kept group's P
+leading slots once per block of its query rows instead of once per row. `prefix_of` gives that
+as a PrefixRead: the slots the rows skip (sum of rows*P) and what the prefix path reads instead
+(P*passes per group + the partials; tokencache_models.prefix_traffic, bf16 caches); a forward
+then reads sum(kv_lens) - skipped + read, less than sum(kv_lens) whenever a group is kept (long
+catch-ups, prefills and short prefixes read per row). Without it every row reads its whole slot
+list, sum(kv_lens). `describe()` names the mode.
 
 Profiles:
 - "h200-2026-11-30" (default): least-squares fit of cost = a + b*batch + c*new_tokens +
@@ -29,6 +33,7 @@ Profiles:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +44,11 @@ from tokencache_models import (
     MIN_SHARED_PREFIX,
     PRESETS,
     ModelConfig,
+    PrefixGroup,
     PrefixShape,
-    shared_prefix_len,
+    find_prefix_groups,
+    paying_groups,
+    prefix_traffic,
 )
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -58,6 +66,46 @@ def param_count(c: ModelConfig) -> int:
 
 def kv_bytes_per_token(c: ModelConfig, bytes_per_elem: int = 2) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * bytes_per_elem
+
+
+@dataclass(frozen=True)
+class PrefixRead:
+    """How one forward's rows read their shared slot-list prefixes on the modelled runner: the
+    groups that take the shared-prefix path (tokencache_models.paying_groups; empty: every row
+    reads its own slot list), and their traffic in KV slots per layer
+    (tokencache_models.prefix_traffic): `skipped`, what the groups' rows no longer read
+    themselves (rows x P summed over the groups), and `read`, what the prefix path reads
+    instead (each P once per tile of its group's query tokens, plus the split partials).
+    Depends on the model's PrefixShape: price it with the kind it was found for."""
+
+    groups: tuple[PrefixGroup, ...] = ()
+    skipped: int = 0
+    read: int = 0
+
+    @property
+    def saved(self) -> int:
+        """KV slots per layer the forward reads less than its rows' whole slot lists (> 0
+        whenever a group is kept: paying_groups keeps none otherwise)."""
+        return self.skipped - self.read
+
+    @property
+    def longest(self) -> int:
+        """The longest prefix read once (0: none)."""
+        return max((g.length for g in self.groups), default=0)
+
+    @property
+    def rows(self) -> int:
+        """Rows that skip a prefix."""
+        return sum(len(g.rows) for g in self.groups)
+
+
+# Every row reads its own slot list: no shared-prefix path, or nothing worth it.
+NO_PREFIX = PrefixRead()
+
+
+def _np64(x: Any) -> np.ndarray:
+    """A numpy int64 view of a numpy array or a CPU tensor (not copied when already int64)."""
+    return np.asarray(x.numpy() if hasattr(x, "numpy") else x, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -277,49 +325,76 @@ class GpuClock:
         clock._set_shared_prefix(shared_prefix)
         return clock
 
-    @staticmethod
-    def prefix_of(kv_slots: Any, kv_offsets: Any, q_offsets: Any) -> int:
-        """P of one forward (tokencache_models.shared_prefix_len) from its slot lists: numpy
-        arrays or CPU tensors (viewed, not copied)."""
+    def prefix_of(self, kind: int, kv_slots: Any, kv_offsets: Any, q_offsets: Any) -> PrefixRead:
+        """How this model's modelled runner reads the shared prefixes of one forward, from its
+        slot lists (numpy arrays or CPU tensors, viewed, not copied): the runner's rule
+        (HostBatch.prefix_groups: find_prefix_groups, then paying_groups with this model's
+        PrefixShape, decode when every row has one new token). NO_PREFIX without
+        shared_prefix. The clock's batches have no padding rows (a runner's decode buckets
+        add some, whose partials it also writes: a few slots more, not modelled)."""
+        if not self.shared_prefix:
+            return NO_PREFIX
+        slots, kv_off, q_off = _np64(kv_slots), _np64(kv_offsets), _np64(q_offsets)
+        return self.prefix_read(kind, find_prefix_groups(slots, kv_off, q_off), q_off)
 
-        def np64(x: Any) -> np.ndarray:
-            return np.asarray(x.numpy() if hasattr(x, "numpy") else x, dtype=np.int64)
+    def prefix_read(
+        self, kind: int, groups: Sequence[PrefixGroup], q_offsets: np.ndarray
+    ) -> PrefixRead:
+        """The PrefixRead of candidate `groups` (find_prefix_groups's, or built by hand) over a
+        forward with q_offsets: those that pay for this model (paying_groups), and their
+        traffic (prefix_traffic)."""
+        if not self.shared_prefix or not groups:
+            return NO_PREFIX
+        q_off = _np64(q_offsets)
+        shape = self.prefix_shapes[kind]
+        decode = int(q_off[-1] - q_off[0]) == len(q_off) - 1
+        kept = paying_groups(groups, q_off, shape, decode)
+        if not kept:
+            return NO_PREFIX
+        skipped, read = prefix_traffic(kept, q_off, shape, decode)
+        return PrefixRead(tuple(kept), skipped, read)
 
-        return shared_prefix_len(np64(kv_slots), np64(kv_offsets), np64(q_offsets))
-
-    def kv_read(self, kind: int, batch: int, new_tokens: int, kv_tokens: int, prefix: int) -> int:
-        """KV slots the modelled runner reads for a forward of `batch` rows whose contexts hold
-        kv_tokens slots in all, the first `prefix` (P) of every row the same: with
-        shared_prefix, kv_tokens - batch*P + PrefixShape.read_slots (P read once per block of
-        query rows, plus the split partials' traffic) where that moves less than one read per
-        row (PrefixShape.pays: the runner's own rule); otherwise (or P = 0) kv_tokens."""
-        if not self.shared_prefix or prefix <= 0:
+    def kv_read(self, kv_tokens: int, prefix: PrefixRead = NO_PREFIX) -> int:
+        """KV slots the modelled runner reads for a forward whose rows' contexts hold kv_tokens
+        slots in all: with shared_prefix, kv_tokens - prefix.skipped + prefix.read (prefix_of
+        of the forward: its paying groups' prefixes read once per block of their query rows,
+        plus the split partials); without it (or NO_PREFIX), kv_tokens."""
+        if not self.shared_prefix:
             return kv_tokens
-        shape, decode = self.prefix_shapes[kind], new_tokens == batch
-        if not shape.pays(batch, new_tokens, prefix, decode):
-            return kv_tokens  # the runner reads it per row then (HostBatch.shared_prefix)
-        return kv_tokens - batch * prefix + shape.read_slots(new_tokens, prefix, decode)
+        return kv_tokens - prefix.saved
 
     def forward_s(
-        self, kind: int, batch: int, new_tokens: int, kv_tokens: int, prefix: int = 0
+        self,
+        kind: int,
+        batch: int,
+        new_tokens: int,
+        kv_tokens: int,
+        prefix: PrefixRead = NO_PREFIX,
     ) -> float:
         """A forward of `batch` rows, new_tokens in all, over contexts of kv_tokens slots in
-        all whose first `prefix` slots every row shares (0: none or not known)."""
-        kv = self.kv_read(kind, batch, new_tokens, kv_tokens, prefix)
-        return self.costs[kind](batch, new_tokens, kv)
+        all, whose shared prefixes this model's runner reads as `prefix` says (prefix_of;
+        NO_PREFIX: every row reads its own slot list, or not known)."""
+        return self.costs[kind](batch, new_tokens, self.kv_read(kv_tokens, prefix))
 
     def least_kv_read(self, kind: int, total_kv_tokens: int, rows: int, shareable: int) -> int:
         """The fewest KV slots any set of this model's forwards reads whose `rows` rows (one new
         token at least each) have contexts of total_kv_tokens slots in all, when no two rows
-        share more than `shareable` (U) leading slots. Without shared_prefix every row reads
-        its context: total_kv_tokens. With it, a forward f of R_f rows, T_f >= R_f new tokens
-        and prefix P_f <= U reads sum(kv - U) plus passes_f*P_f + R_f*(U - P_f) (P_f = 0: R_f*U),
-        (plus the partials' traffic, >= 0), linear in P_f, so at least min(passes_f, R_f)*U >=
-        passes(R_f)*U, passes(n) = PrefixShape.passes (one per block of query rows); summed over the
-        forwards (passes is subadditive, ceil of a sum): total - rows*U + passes(rows)*U, every
-        row's context beyond U and the shared prefix read as few times as all rows in one
-        forward of one token each would. U under MIN_SHARED_PREFIX is never shared
-        (shared_prefix_len returns 0)."""
+        share more than `shareable` (U) leading slots, however many prompts they come from.
+
+        Without shared_prefix every row reads its context: total_kv_tokens. With it, a forward
+        f reads sum(kv) - sum_g (n_g - passes(T_g))*P_g (plus the partials, >= 0) over its kept
+        groups g of n_g rows, T_g >= n_g new tokens and P_g <= U (paying_groups keeps none, or
+        only groups with passes(T_g) < n_g). Each group saves at most (n_g - passes(n_g))*U;
+        passes (PrefixShape.passes: one per block of query rows, a ceil) is subadditive and
+        n - passes(n) grows with n, so the groups of a forward of R_f rows save at most
+        (R_f - passes(R_f))*U together, and all forwards at most (rows - passes(rows))*U. So:
+        total - (rows - passes(rows))*U, every row's context beyond U and U read as few times
+        as one forward of all rows in one group, one token each, would. Rows from K prompts
+        that share under MIN_SHARED_PREFIX with one another need a group per prompt, so their
+        own passes: this leaves out (passes(r_1) + ... + passes(r_K) - passes(rows))*U slots
+        they also read (r_k: prompt k's rows; a few prompt lengths), loose but still a lower
+        bound, which is what the bench's ceiling needs. U under MIN_SHARED_PREFIX is never
+        shared (find_prefix_groups)."""
         if not self.shared_prefix or rows < 1 or shareable < MIN_SHARED_PREFIX:
             return total_kv_tokens
         passes = self.prefix_shapes[kind].passes(rows)

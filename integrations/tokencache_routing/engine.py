@@ -628,13 +628,14 @@ class RoutedEngine:
     def _cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
         """The forward's cost on the engine clock. Every dispatch (tokencache, naive,
         naive-sglang) is priced here, on the same modelled runner. A GPU clock whose runner
-        reads a shared prefix once gets the forward's P (recorded on prep for the stats), found
-        here, outside the bookkeeping timers: the runner's own host work, not tree work."""
+        reads shared prefixes once gets the forward's prefix groups and their traffic
+        (GpuClock.prefix_of, recorded on prep for the stats), found here, outside the
+        bookkeeping timers: the runner's own host work, not tree work."""
         clock = self.gpu_clock
         if clock is not None:
             if clock.shared_prefix:
                 fb = prep.fb
-                prep.shared_prefix = clock.prefix_of(fb.kv_slots, fb.kv_offsets, fb.q_offsets)
+                prep.shared_prefix = clock.prefix_of(kind, fb.kv_slots, fb.kv_offsets, fb.q_offsets)
             kv = int(prep.kv_lens.sum())
             batch, tokens = len(prep.batch), prep.num_tokens
             return clock.forward_s(kind, batch, tokens, kv, prep.shared_prefix)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from .clock import PrefixRead
     from .kv import KVHandle
 
 SMALL, LARGE = 0, 1
@@ -233,11 +234,11 @@ class Stats:
     catchup_batch_sizes: list[int] = field(default_factory=list)
     catchup_tokens: list[int] = field(default_factory=list)  # tokens prefilled per catch-up
     # Per catch-up: its rows' contexts in KV slots (sum of kv_lens: what a runner reading each
-    # row's KV itself reads), and P, the leading slots all its rows share that the GPU clock's
-    # runner read once (0: none, or a clock without shared-prefix reads); KV read with P > 0:
-    # GpuClock.kv_read.
+    # row's KV itself reads), and the prefix groups the GPU clock's runner read once with their
+    # traffic (GpuClock.prefix_of; NO_PREFIX: none, or a clock without shared-prefix reads).
+    # KV it read: GpuClock.kv_read(kv_tokens, prefix); its longest P: prefix.longest.
     catchup_kv_tokens: list[int] = field(default_factory=list)
-    catchup_shared_prefix: list[int] = field(default_factory=list)
+    catchup_shared_prefix: list[PrefixRead] = field(default_factory=list)
 
     @property
     def bookkeeping_share(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tokencache_routing import bench
@@ -39,6 +40,53 @@ def test_bench_runs_on_the_gpu_clock(
     assert mode in by["tokencache"]["clock"] and mode in by["naive"]["clock"]
     assert 0 < by["tokencache"]["occupancy"] <= 1
     # The ceiling bounds every one-device schedule on the clock, the ideal included.
+    ceiling = by["ceiling"]["tokens_per_s"]
+    assert by["ideal"]["tokens_per_s"] <= ceiling
+    assert by["tokencache"]["tokens_per_s"] <= ceiling and by["naive"]["tokens_per_s"] <= ceiling
+
+
+def test_make_prompts_draws_k_system_prompts_round_robin() -> None:
+    """K = 1 is the historical workload (one base drawn first, then each request's own
+    tokens, from one seeded generator); K prompts: request i on prompt i mod K, the first
+    prompt the historical one, all K distinct."""
+    n, shared, unique, vocab, seed = 7, 90, 5, 512, 3
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, vocab, shared).tolist()
+    historical = [base + rng.integers(0, vocab, unique).tolist() for _ in range(n)]
+    assert bench.make_prompts(n, shared, unique, vocab, seed) == historical
+    assert bench.make_prompts(n, shared, unique, vocab, seed, 1) == historical
+    k = 3
+    prompts = bench.make_prompts(n, shared, unique, vocab, seed, k)
+    systems = bench.system_prompts_of(prompts, shared)
+    assert len(systems) == k and systems[0] == base
+    for i, q in enumerate(prompts):
+        assert len(q) == shared + unique and q[:shared] == systems[i % k]
+    assert bench.longest_common_prefix(systems) < shared  # K distinct prompts
+    assert bench.longest_common_prefix(prompts) >= shared
+    with pytest.raises(ValueError, match="system_prompts"):
+        bench.make_prompts(n, shared, unique, vocab, seed, 0)
+
+
+def test_bench_runs_on_several_system_prompts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--system-prompts 2: the report says so, every prompt is primed and shared, and the
+    ceiling (least_kv_read over rows of both prompts) still bounds every system."""
+    args = ["--quick", "--dispatches", "naive", "tokencache", "--system-prompts", "2"]
+    bench.main([*args, "--profile", "h200-roofline", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("clock: ")]
+    assert "2 system prompts" in line
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["args"]["system_prompts"] == 2
+    by = {r["system"]: r for r in data["rows"]}
+    for name in ("naive", "tokencache"):
+        extra = by[name]["extra"]
+        assert extra["system_prompts"] == 2
+        assert by[name]["tokens"] == 2 * 4 * 8
+        # --quick: 96-token contexts, 8 own prompt tokens and 8 new: 80-token system prompts
+        assert extra["shareable_prefix"] >= 80
+        assert extra["catchup_kv_floor"] <= extra["catchup_kv_read"] <= extra["catchup_kv_context"]
     ceiling = by["ceiling"]["tokens_per_s"]
     assert by["ideal"]["tokens_per_s"] <= ceiling
     assert by["tokencache"]["tokens_per_s"] <= ceiling and by["naive"]["tokens_per_s"] <= ceiling
