@@ -9,8 +9,8 @@ capture_all); every graph shares one memory pool. The padded static path without
 The graph's shapes depend on the bucket only: the Triton decode kernel reads each row's KV range
 from the (static) offsets buffer, so any context fits as long as the step's slot list fits the
 kv_slots buffer (kv_capacity). A step whose rows share prefixes replays the bucket's
-shared-prefix graph, which reads the groups' tile table from buffers as well (sized for
-MAX_PREFIX_GROUPS groups). The torch path
+shared-prefix graph for its number of groups (one system prompt: one group, the common case;
+captured on first use), which reads the groups' tile table from buffers as well. The torch path
 gathers a fixed [rows, width] block, so its graphs are keyed by (bucket, width) as well,
 width = decode_kv_width(max kv length).
 """
@@ -34,7 +34,7 @@ from .context import (
     decode_kv_width,
     to_device,
 )
-from .prefix_groups import TILE_FIELDS, PrefixTables, max_tiles, prefix_tables
+from .prefix_groups import MAX_PREFIX_GROUPS, TILE_FIELDS, PrefixTables, max_tiles, prefix_tables
 from .prefix_plan import PrefixShape
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class DecodeGraphRunner:
         self._tiles = i64(torch.zeros(max_tiles(self.prefix_shape, n) * TILE_FIELDS))
         self._prefix_tokens = i64(torch.zeros(n))
         self._reset()
-        self._graphs: dict[tuple[int, int, bool], tuple[Any, ForwardOutput]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[Any, ForwardOutput]] = {}
         self._mempool: Any = None
         self.replays = 0  # decode steps served by a graph (tests and benches read it)
 
@@ -121,12 +121,12 @@ class DecodeGraphRunner:
             return False
         return len(hb.kv_slots) + rows - hb.num_requests <= self.kv_capacity
 
-    def static_context(self, rows: int, kv_width: int, shared: bool = False) -> ForwardContext:
+    def static_context(self, rows: int, kv_width: int, groups: int = 0) -> ForwardContext:
         """A context whose tensors are (views of) the static buffers, for `rows` rows; with the
-        shared-prefix path when shared (its tables come from buffers)."""
+        shared-prefix path for `groups` groups when > 0 (their tables come from buffers)."""
         prefix = None
-        if shared:
-            tiles = max_tiles(self.prefix_shape, rows) * TILE_FIELDS
+        if groups:
+            tiles = max_tiles(self.prefix_shape, rows, groups) * TILE_FIELDS
             prefix = SharedPrefix(
                 self._row_skip[:rows], self._tiles[:tiles], self._prefix_tokens[:rows]
             )
@@ -178,38 +178,39 @@ class DecodeGraphRunner:
         hbp = hb.padded(rows, self.pool.scratch_slot)
         width = decode_kv_width(int(np.diff(hbp.kv_offsets).max()))
         groups = hbp.prefix_groups(self.prefix_shape) if self.backend.shares_prefix else []
+        n = len(groups)
         tables = None
         if groups:
-            tiles = max_tiles(self.prefix_shape, rows)
+            tiles = max_tiles(self.prefix_shape, rows, n)
             tables = prefix_tables(groups, hbp.q_offsets, hbp.kv_offsets, self.prefix_shape, tiles)
         self._load(hbp, tables)
-        shared = tables is not None
         if self.use_graphs:
-            key = self._key(rows, width, shared)
+            key = self._key(rows, width, n)
             graph, out = self._graphs.get(key) or self._capture(*key)
             graph.replay()
             self.replays += 1
         else:
             out = self.model.forward_context(
-                self.static_context(rows, width, shared), self.pool, self.backend
+                self.static_context(rows, width, n), self.pool, self.backend
             )
         return dataclasses.replace(
             out, logits=out.logits[:b].clone(), hidden=out.hidden[:b].clone()
         )
 
-    def _key(self, rows: int, width: int, shared: bool = False) -> tuple[int, int, bool]:
-        """A graph per bucket, per gather width on the torch path, with or without the
-        shared-prefix kernel (a batch without a common prefix does not pay for it)."""
-        return (rows, width if self.width_keyed else 0, shared)
+    def _key(self, rows: int, width: int, groups: int = 0) -> tuple[int, int, int]:
+        """A graph per bucket, per gather width on the torch path, per prefix group count
+        (0: without the shared-prefix kernel, so a batch without a shared prefix does not pay
+        for it; g: a tile table for g groups, so one group does not pay for eight)."""
+        return (rows, width if self.width_keyed else 0, groups)
 
-    def _capture(self, rows: int, width: int, shared: bool = False) -> tuple[Any, ForwardOutput]:
+    def _capture(self, rows: int, width: int, groups: int = 0) -> tuple[Any, ForwardOutput]:
         """Warm-up run (Triton compiles, cuBLAS plans) on a side stream, then the capture. Both
         run on whatever the buffers hold: the current step or padding rows, so the only K/V
         writes are the ones the replay makes anyway."""
         model, pool, backend = self.model, self.pool, self.backend
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
-        ctx_args = (rows, width, shared)  # the prefix tables are in their buffers
+        ctx_args = (rows, width, groups)  # the prefix tables are in their buffers
         with torch.cuda.stream(stream):
             model.forward_context(self.static_context(*ctx_args), pool, backend)
         torch.cuda.current_stream().wait_stream(stream)
@@ -220,22 +221,24 @@ class DecodeGraphRunner:
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             out = model.forward_context(self.static_context(*ctx_args), pool, backend)
         entry = (graph, out)
-        self._graphs[self._key(rows, width, shared)] = entry
+        self._graphs[self._key(rows, width, groups)] = entry
         return entry
 
     @torch.inference_mode()
-    def capture_all(self, widths: Sequence[int] = (KV_CHUNK,)) -> int:
+    def capture_all(self, widths: Sequence[int] = (KV_CHUNK,), max_groups: int = 1) -> int:
         """Captures every bucket (largest first, so smaller graphs reuse its pool memory); the
-        torch path once per given gather width; with and without the shared-prefix kernel when
-        the backend has one. Returns the number of graphs held."""
+        torch path once per given gather width; without the shared-prefix kernel and, when the
+        backend has one, with it for 1..max_groups groups (more groups are captured on first
+        use). Returns the number of graphs held."""
         if not self.use_graphs:
             raise ValueError("capture_all needs use_graphs")
         self._reset()
-        for shared in (False, True) if self.backend.shares_prefix else (False,):
+        shares = self.backend.shares_prefix
+        for groups in range(min(max_groups, MAX_PREFIX_GROUPS) + 1 if shares else 1):
             for w in widths if self.width_keyed else widths[:1]:
                 for rows in reversed(self.buckets):
-                    if shared and rows < 2:
-                        continue  # a prefix needs two real rows to be shared
-                    if self._key(rows, w, shared) not in self._graphs:
-                        self._capture(rows, w, shared)
+                    if rows < 2 * groups:
+                        continue  # a group holds two rows at least
+                    if self._key(rows, w, groups) not in self._graphs:
+                        self._capture(rows, w, groups)
         return len(self._graphs)

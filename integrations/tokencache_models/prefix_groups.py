@@ -10,10 +10,11 @@ Found on the host from the slot lists themselves (a caller's claim is never trus
 keyed by their first slot (rows that share anything share it), and each key's rows are split
 greedily into groups that save the most reads. Host numpy, O(rows x P) compares.
 
-The kernel's table: every query token (padding rows included) belongs to exactly one tile of
-at most PrefixShape.tokens_per_block tokens of one group, or of the rows outside every group,
-whose tiles have P = 0 and only write empty partials; so every token's prefix split columns
-are written and the merge needs no mask.
+The kernel's table: every query token of a group belongs to exactly one tile of at most
+PrefixShape.tokens_per_block tokens of that group; rows outside every group (padding rows too)
+get their empty prefix partials from their own decode / varlen kernel. So every token's prefix
+split columns are written once, and the merge needs no mask, while one group takes exactly as
+many tiles as the old single-prefix kernel took passes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import numpy as np
 
 from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 
-# Groups a forward shares at most (the largest savings kept): a CUDA graph's tile table is
-# sized by it, so it bounds the empty tiles a replay launches.
+# Groups a forward shares at most (the largest savings kept): CUDA graphs are captured per
+# group count, each with the tiles that many groups can need.
 MAX_PREFIX_GROUPS = 8
 # Columns of one tile-table row: first token (index into the token list), token count, the
 # anchor row's slot-list start, P.
@@ -137,8 +138,8 @@ class PrefixTables:
 
     row_skip [rows]: the prefix each row's own kernels skip (its group's P, else 0);
     tiles [num_tiles, TILE_FIELDS]: (first token in `tokens`, token count, anchor's slot-list
-    start, P), padded with empty tiles up to a graph's fixed count; tokens [num_tokens]: every
-    query token once, grouped by tile."""
+    start, P), padded with empty tiles up to a graph's fixed count; tokens: the groups' query
+    tokens, grouped by tile (padded with 0 to a graph's buffer)."""
 
     groups: tuple[PrefixGroup, ...]
     row_skip: np.ndarray
@@ -158,10 +159,10 @@ class PrefixTables:
         return [self.row_skip, self.tiles.reshape(-1), self.tokens]
 
 
-def max_tiles(shape: PrefixShape, num_tokens: int, max_groups: int = MAX_PREFIX_GROUPS) -> int:
-    """The most tiles a forward of num_tokens tokens needs: each group, and the rows outside
-    them, may end with a partial tile."""
-    return shape.passes(num_tokens) + max_groups
+def max_tiles(shape: PrefixShape, num_tokens: int, groups: int = MAX_PREFIX_GROUPS) -> int:
+    """The most tiles `groups` groups over num_tokens query tokens need: one pass's worth
+    over all their tokens, plus a partial tile for every group but one."""
+    return shape.passes(num_tokens) + max(groups, 1) - 1
 
 
 def prefix_tables(
@@ -172,40 +173,36 @@ def prefix_tables(
     num_tiles: int | None = None,
 ) -> PrefixTables:
     """The tile table for groups over a batch with q_offsets / kv_offsets (padding rows
-    included: they fall outside every group); num_tiles pads it with empty tiles (a CUDA graph's
-    fixed grid), None keeps it exact."""
+    included: they fall outside every group); num_tiles pads it with empty tiles and the token
+    list to every query token's length (a CUDA graph's fixed grid and buffer), None keeps both
+    exact."""
     rows = len(q_offsets) - 1
     row_skip = np.zeros(rows, np.int64)
-    member = np.zeros(rows, bool)
     per_tile = shape.tokens_per_block
     token_parts: list[np.ndarray] = []
     tiles: list[tuple[int, int, int, int]] = []
     begin = 0
-
-    def add(rows_of: np.ndarray, anchor_start: int, length: int) -> None:
-        nonlocal begin
-        # The rows' query tokens, in row order: q_offsets[r] + 0, 1, ... for each row r.
-        starts = q_offsets[rows_of]
-        lens = q_offsets[rows_of + 1] - starts
-        first = np.cumsum(lens) - lens
-        toks = np.repeat(starts - first, lens) + np.arange(int(lens.sum()), dtype=np.int64)
-        token_parts.append(toks)
-        for t0 in range(0, len(toks), per_tile):
-            tiles.append((begin + t0, min(per_tile, len(toks) - t0), anchor_start, length))
-        begin += len(toks)
-
     for g in groups:
         idx = np.asarray(g.rows, np.int64)
         row_skip[idx] = g.length
-        member[idx] = True
-        add(idx, int(kv_offsets[g.rows[0]]), g.length)
-    add(np.flatnonzero(~member), 0, 0)
+        # The rows' query tokens, in row order: q_offsets[r] + 0, 1, ... for each row r.
+        starts = q_offsets[idx]
+        lens = q_offsets[idx + 1] - starts
+        first = np.cumsum(lens) - lens
+        toks = np.repeat(starts - first, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+        token_parts.append(toks)
+        anchor = int(kv_offsets[g.rows[0]])
+        for t0 in range(0, len(toks), per_tile):
+            tiles.append((begin + t0, min(per_tile, len(toks) - t0), anchor, g.length))
+        begin += len(toks)
     table = np.array(tiles, np.int64).reshape(-1, TILE_FIELDS)
+    tokens = np.concatenate(token_parts) if token_parts else np.zeros(0, np.int64)
     if num_tiles is not None:
         if len(table) > num_tiles:
             raise ValueError(f"{len(table)} prefix tiles do not fit a table of {num_tiles}")
         table = np.concatenate((table, np.zeros((num_tiles - len(table), TILE_FIELDS), np.int64)))
-    return PrefixTables(tuple(groups), row_skip, table, np.concatenate(token_parts))
+        tokens = np.concatenate((tokens, np.zeros(int(q_offsets[-1]) - len(tokens), np.int64)))
+    return PrefixTables(tuple(groups), row_skip, table, tokens)
 
 
 def paying_groups(

@@ -33,6 +33,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     L,
     sm_scale,
     num_splits,
+    prefix_cols,  # split columns after this kernel's own that the prefix kernel fills
     stride_qb,
     stride_qh,
     stride_ks,
@@ -59,7 +60,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     end = tl.load(KvOff + b + 1)
     if SKIP:
         # A row keeps at least its own new token's slot.
-        start += tl.minimum(tl.load(Skip + b), end - start - 1)
+        row_skip = tl.load(Skip + b)
+        start += tl.minimum(row_skip, end - start - 1)
     per_split = tl.cdiv(tl.cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, end)
@@ -95,6 +97,24 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     )
     tl.store(M + b * stride_mb + heads * stride_mh + split, m_i, mask=g_mask)
     tl.store(L + b * stride_mb + heads * stride_mh + split, l_i, mask=g_mask)
+    if SKIP:  # noqa: SIM102 (row_skip exists in SKIP kernels only: a constexpr branch)
+        # A row outside every group (padding rows too): no prefix tile covers it, so its prefix
+        # columns are written empty here (m = -inf, l = 0, acc = 0) for the merge.
+        if (row_skip == 0) & (split == 0):
+            none = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            for col in range(num_splits, num_splits + prefix_cols):
+                tl.store(
+                    Acc + b * stride_ab + heads[:, None] * stride_ah + col * stride_as
+                    + offs_d[None, :],
+                    tl.zeros([GROUP_PAD, BLOCK_D], tl.float32),
+                    mask=out_mask,
+                )  # fmt: skip
+                tl.store(M + b * stride_mb + heads * stride_mh + col, none, mask=g_mask)
+                tl.store(
+                    L + b * stride_mb + heads * stride_mh + col,
+                    tl.zeros([GROUP_PAD], tl.float32),
+                    mask=g_mask,
+                )
 
 
 def num_splits(batch: int, kv_heads: int) -> int:
@@ -147,6 +167,7 @@ def paged_decode(
         lse,
         scale,
         splits,
+        extra,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -1,4 +1,4 @@
-"""Triton shared-prefix attention: a batch's common slot-list prefix read once for all rows.
+"""Triton shared-prefix attention: each group's common slot-list prefix read once for its rows.
 
 When rows of a forward start with the same P slots (a system prompt: the radix tree hands all
 of its requests the same KV slots), reading those slots once per row wastes (rows - 1) x P slot
@@ -7,12 +7,12 @@ into groups with a prefix each (prefix_groups.py). Program (tile, split, kvh) ta
 the tile table (up to PrefixShape.tokens_per_block query tokens of one group, with the kv head's
 whole GQA group), walks its split of the group's prefix slots (the anchor row's) without a mask
 (every new token comes after the prefix) and writes partial (acc, max, sum) triples into extra
-split columns of the caller's partial buffers; tiles of rows outside every group have P = 0 and
-write empty partials. The decode and varlen kernels then skip each row's prefix (their SKIP
-mode) and one merge combines both (cascade attention, as FlashInfer's and Hydragen's). The
-tables live on the device, so a CUDA graph captured once serves any grouping and prefix
-lengths. The tile, passes and splits come from prefix_plan.py, which the runner and the routing
-engine's clock read too.
+split columns of the caller's partial buffers (empty tiles, which pad a graph's table, write
+nothing). The decode and varlen kernels then skip each row's prefix (their SKIP mode; rows
+outside every group write their prefix columns empty) and one merge combines both (cascade
+attention, as FlashInfer's and Hydragen's). The tables live on the device, so a CUDA graph
+captured for a group count serves any grouping and prefix lengths. The tile, passes and splits
+come from prefix_plan.py, which the runner and the routing engine's clock read too.
 
 Imported lazily, on CUDA or under TRITON_INTERPRET=1.
 """
@@ -69,7 +69,7 @@ def _shared_prefix_kernel(  # type: ignore[no-untyped-def]
     t0 = tl.load(tile)
     count = tl.load(tile + 1)
     base = tl.load(tile + 2)  # the anchor row's slot list starts with the prefix
-    plen = tl.load(tile + 3)  # 0: rows outside every group (empty partials)
+    plen = tl.load(tile + 3)  # an empty tile (count 0) stores nothing
     per_split = tl.cdiv(tl.cdiv(plen, splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, plen)
@@ -121,8 +121,8 @@ def shared_prefix_partials(
     """Attention of the query rows q [T, H, D] over their groups' prefixes (prefix.tiles: each
     tile's tokens over the first P entries of its anchor's slot list in kv_slots), unmasked,
     written as partials into split columns [split0, acc.shape[2]) of acc [T, H, S, D] and m /
-    lse [T, H, S] (fp32, contiguous); every token's columns are written (empty outside the
-    groups). The caller's own kernels fill columns [0, split0) and merge_splits combines all.
+    lse [T, H, S] (fp32, contiguous) for the groups' tokens; the caller's own kernels fill
+    columns [0, split0), and those of rows outside every group, and merge_splits combines all.
     Launch parameters come from shapes only: no host sync, graph-capturable."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
@@ -130,7 +130,10 @@ def shared_prefix_partials(
     splits = acc.shape[2] - split0
     assert splits >= 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     q = q.contiguous()
-    _shared_prefix_kernel[(prefix.tiles.numel() // TILE_FIELDS, splits, kv_heads)](
+    num_tiles = prefix.tiles.numel() // TILE_FIELDS
+    if num_tiles == 0:
+        return
+    _shared_prefix_kernel[(num_tiles, splits, kv_heads)](
         q,
         k_cache,
         v_cache,

@@ -56,6 +56,7 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     Skip,
     sm_scale,
     splits,
+    prefix_cols,  # split columns after this kernel's own that the prefix kernel fills
     stride_qt,
     stride_qh,
     stride_ks,
@@ -90,7 +91,8 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     kv_len = tl.load(KvOff + b + 1) - kv0
     if SKIP:
         # Causal limits are relative to the slot list's end, so dropping its head is enough.
-        skip = tl.minimum(tl.load(Skip + b), kv_len - q_len)
+        row_skip = tl.load(Skip + b)
+        skip = tl.minimum(row_skip, kv_len - q_len)
         kv0 += skip
         kv_len -= skip
     t0 = mb * TOKENS
@@ -125,6 +127,18 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
             Acc, M, L, acc, m_i, l_i, q0 + tok, head, split, row_ok, offs_d, d_mask, stride_at,
             stride_ah, stride_as, stride_mt, stride_mh,
         )  # fmt: skip
+        if SKIP:  # noqa: SIM102 (row_skip exists in SKIP kernels only: a constexpr branch)
+            # A request outside every group: no prefix tile covers its tokens, so their prefix
+            # columns are written empty here (m = -inf, l = 0, acc = 0) for the merge.
+            if (row_skip == 0) & (split == 0):
+                none = tl.full([ROWS], float("-inf"), tl.float32)
+                zero = tl.zeros([ROWS], tl.float32)
+                empty = tl.zeros([ROWS, BLOCK_D], tl.float32)
+                for col in range(splits, splits + prefix_cols):
+                    store_partial(
+                        Acc, M, L, empty, none, zero, q0 + tok, head, col, row_ok, offs_d, d_mask,
+                        stride_at, stride_ah, stride_as, stride_mt, stride_mh,
+                    )  # fmt: skip
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -219,6 +233,7 @@ def paged_varlen(
         kv_offsets if prefix is None else prefix.row_skip,
         scale,
         splits,
+        extra,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -6,7 +6,10 @@ here the pure host functions against deliberately naive references, and the cont
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -190,28 +193,42 @@ def test_one_prompt_makes_one_group(case: tuple[list[list[int]], list[int]], min
     ]
 
 
-def test_tile_table_covers_every_token_once() -> None:
+def test_tile_table_covers_each_group_token_once() -> None:
     shape = PrefixShape(2, 8, 128)  # 64 tokens per tile
     q_off = np.concatenate(([0], np.cumsum([1] * 100 + [30, 50]))).astype(np.int64)
     kv_off = np.arange(len(q_off), dtype=np.int64) * 1000
     groups = [PrefixGroup(tuple(range(0, 100, 2)), 500), PrefixGroup((1, 100, 101), 300)]
     t = prefix_tables(groups, q_off, kv_off, shape)
-    assert sorted(t.tokens.tolist()) == list(range(180))
+    grouped = [*range(0, 100, 2), 1, *range(100, 180)]
+    assert t.tokens.tolist() == grouped  # row 100's 30 tokens, then row 101's 50
     # Group 0: 50 tokens (one tile); group 1: 1 + 30 + 50 tokens (two tiles); the other 49
-    # rows' tokens: one tile with P = 0.
-    assert t.tiles.tolist() == [
-        [0, 50, 0, 500],
-        [50, 64, 1000, 300],
-        [114, 17, 1000, 300],
-        [131, 49, 0, 0],
-    ]
-    assert t.tokens[50:53].tolist() == [1, 100, 101]  # row 100's token, then row 101's
+    # rows are in no tile (their own kernels write their prefix columns empty).
+    assert t.tiles.tolist() == [[0, 50, 0, 500], [50, 64, 1000, 300], [114, 17, 1000, 300]]
     assert t.row_skip[:4].tolist() == [500, 300, 500, 0] and t.row_skip[100:].tolist() == [300] * 2
     assert t.longest == 500
-    padded = prefix_tables(groups, q_off, kv_off, shape, max_tiles(shape, 180))
-    assert padded.num_tiles == max_tiles(shape, 180) == 3 + 8
-    assert np.array_equal(padded.tiles[:4], t.tiles) and not padded.tiles[4:].any()
-    assert padded.arrays()[1].size == padded.num_tiles * TILE_FIELDS
+    # A graph's table for two groups: padded with empty tiles, the tokens to every token.
+    assert max_tiles(shape, 180, 2) == 3 + 1 and max_tiles(shape, 180, 1) == 3
+    padded = prefix_tables(groups, q_off, kv_off, shape, max_tiles(shape, 180, 2))
+    assert padded.num_tiles == 4 and padded.arrays()[1].size == 4 * TILE_FIELDS
+    assert np.array_equal(padded.tiles[:3], t.tiles) and not padded.tiles[3:].any()
+    assert padded.tokens.tolist() == grouped + [0] * (180 - len(grouped))
+    with pytest.raises(ValueError, match="do not fit"):
+        prefix_tables(groups, q_off, kv_off, shape, 2)
+    assert prefix_tables([], q_off, kv_off, shape).num_tiles == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 70), min_size=2, max_size=40), st.integers(1, 8), st.data())
+def test_max_tiles_bounds_every_grouping(q_lens: list[int], n: int, data: st.DataObject) -> None:
+    """Any n disjoint groups of the rows fit max_tiles(shape, tokens, n) tiles (a graph's)."""
+    shape = PrefixShape(2, 8, 128)
+    q_off = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
+    order = data.draw(st.permutations(range(len(q_lens))))
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(q_lens) - 1), max_size=n - 1)))
+    parts = [order[a:b] for a, b in itertools.pairwise([0, *cuts, len(q_lens)])]
+    groups = [PrefixGroup(tuple(sorted(p)), 100) for p in parts if p]
+    t = prefix_tables(groups, q_off, np.zeros_like(q_off), shape)
+    assert t.num_tiles <= max_tiles(shape, int(q_off[-1]), len(groups))
 
 
 def test_groups_pay_together_against_the_partials() -> None:
