@@ -75,7 +75,9 @@ def test_a_cursor_held_by_another_thread_is_busy_not_already_borrowed() -> None:
 
     def extend() -> None:
         try:
-            for i in range(50):
+            # Until the main thread has seen the cursor busy (within a few batches here; up to
+            # 200 of them on a loaded machine, ~20M tokens at worst).
+            for i in range(200):
                 if stop.is_set():
                     break
                 base = i * n
