@@ -127,7 +127,7 @@ class HostBatch:
 
     def prefix_groups(self, shape: PrefixShape) -> list[PrefixGroup]:
         """The groups of real rows whose common slot-list prefix the shared-prefix kernel of
-        `shape` reads once, each where that pays (PrefixShape.pays); padding rows excluded."""
+        `shape` reads once, where that pays (prefix_groups.paying_groups); padding rows excluded."""
         n = self.num_real
         groups = find_prefix_groups(self.kv_slots, self.kv_offsets, self.q_offsets, n)
         decode = int(self.q_offsets[n]) == n

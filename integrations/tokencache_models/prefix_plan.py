@@ -1,14 +1,14 @@
-"""When and how the shared-prefix kernel runs: its tile, passes, splits and extra traffic.
+"""How the shared-prefix kernel runs: its tile, passes, splits and extra traffic.
 
 Pure Python (no torch, no triton) so that the three places that need it agree: the runner
-decides with it whether a forward takes the shared-prefix path (HostBatch.shared_prefix), the
-Triton kernel takes its grid from it (triton_prefix.py), and the routing engine's GPU clock
+decides with it whether a forward takes the shared-prefix path (prefix_groups.paying_groups),
+the Triton kernel takes its grid from it (triton_prefix.py), and the routing engine's GPU clock
 prices forwards with it (tokencache_routing/clock.py).
 
-Costs are counted in KV slots of the model's shape (one token's K and V in one layer): the
+Costs are counted in KV slots of the model's shape (one token's K and V in one layer): a
 prefix is read once per block of query rows (a pass), and each split of the prefix writes a
 partial (acc, max, sum in fp32 per query token and head) that the merge reads back. The path
-pays when that is less than every row reading the prefix itself.
+pays when that is less than every row reading its prefix itself.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .config import ModelConfig
 
-# The shortest common prefix considered at all (one K/V block); `pays` decides the rest.
+# The shortest common prefix considered at all (one K/V block); paying_groups decides the rest.
 MIN_SHARED_PREFIX = 64
 # Programs to aim for: one wave of a 132-SM GPU. A 128-row tile over 8 warps holds one block
 # per SM (160 registers x 256 threads), so a second wave would only queue behind the first,
@@ -91,16 +91,3 @@ class PrefixShape:
         partial *= (self.head_dim + 2) * 4
         slot = 2 * self.kv_heads * self.head_dim * self.itemsize
         return -(-partial // slot)
-
-    def read_slots(self, num_tokens: int, prefix_len: int, decode: bool) -> int:
-        """KV-slot traffic of the shared-prefix path for a prefix of prefix_len slots."""
-        split_p = None if decode else prefix_len
-        return prefix_len * self.passes(num_tokens) + self.overhead_slots(num_tokens, split_p)
-
-    def pays(self, rows: int, num_tokens: int, prefix_len: int, decode: bool) -> bool:
-        """Whether the shared-prefix path moves fewer bytes than `rows` rows each reading the
-        prefix: decode batches over prefixes of a few hundred slots and more; not prefills or
-        long catch-ups (many passes), nor short prefixes (the partials dominate)."""
-        if rows < 2 or prefix_len < MIN_SHARED_PREFIX:
-            return False
-        return self.read_slots(num_tokens, prefix_len, decode) < rows * prefix_len

@@ -95,18 +95,25 @@ def test_tiles_passes_splits_and_partials() -> None:
     assert QWEN3_8B.overhead_slots(32) == want == 4420
 
 
+def one_group_pays(shape: PrefixShape, q_lens: list[int], prefix: int, decode: bool) -> bool:
+    """Whether one group of all len(q_lens) rows on a prefix of `prefix` slots takes the path."""
+    q_off = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
+    group = PrefixGroup(tuple(range(len(q_lens))), prefix)
+    return paying_groups([group], q_off, shape, decode) == [group]
+
+
 def test_when_the_prefix_kernel_pays() -> None:
     for shape in (QWEN3_06B, QWEN3_8B):
         # Decode over a long prefix: always, from two rows on.
-        assert all(shape.pays(b, b, 8000, decode=True) for b in range(2, 257))
-        assert not shape.pays(1, 1, 8000, decode=True)  # one row: nothing to share
-        assert not shape.pays(32, 32, 63, decode=True)  # under MIN_SHARED_PREFIX
+        assert all(one_group_pays(shape, [1] * b, 8000, decode=True) for b in range(2, 257))
+        assert not one_group_pays(shape, [1], 8000, decode=True)  # one row: nothing to share
+        assert not one_group_pays(shape, [1] * 32, 63, decode=True)  # under MIN_SHARED_PREFIX
     # Short prefixes: the partials cost more than the rows' reads save (8B, 32 rows: P * 31
     # slots saved against 4420 of partials).
-    assert not QWEN3_8B.pays(32, 32, 140, decode=True)
-    assert QWEN3_8B.pays(32, 32, 150, decode=True)
-    assert QWEN3_8B.pays(10, 100, 2000, decode=False)  # catch-up of 10 x 10: 4 passes
-    assert not QWEN3_06B.pays(2, 600, 2000, decode=False)  # prefill of 2 x 300: 10 passes
+    assert not one_group_pays(QWEN3_8B, [1] * 32, 142, decode=True)
+    assert one_group_pays(QWEN3_8B, [1] * 32, 143, decode=True)
+    assert one_group_pays(QWEN3_8B, [10] * 10, 2000, decode=False)  # catch-up: 4 passes
+    assert not one_group_pays(QWEN3_06B, [300] * 2, 2000, decode=False)  # prefill: 10 passes
 
 
 def naive_common(a: list[int], b: list[int], limit: int) -> int:
@@ -241,7 +248,7 @@ def test_groups_pay_together_against_the_partials() -> None:
     assert skipped == 16 * 3000 + 16 * 2000
     assert read == 3000 + 2000 + QWEN3_8B.overhead_slots(32) == 5000 + 4420
     pair = [PrefixGroup((0, 1), 3000)]
-    assert QWEN3_8B.pays(2, 2, 3000, decode=True)  # alone in a batch of two it would
+    assert one_group_pays(QWEN3_8B, [1, 1], 3000, decode=True)  # alone in a batch of two
     assert paying_groups(pair, q_off, QWEN3_8B, decode=True) == []  # 3000 < 4420 of partials
     # A group whose tokens need as many tiles as it has rows never pays (a long prefill).
     prefill = np.array([0, 300, 600, 601], dtype=np.int64)
