@@ -189,6 +189,12 @@ def test_fit_reads_what_the_gpu_decode_bench_writes(tmp_path: Path) -> None:
     )
 
 
+def one_prefix_read(shape: PrefixShape, prefix: int) -> int:
+    """KV slots one 32-row decode group on `prefix` slots reads (prefix once per pass, plus
+    every token's split partials), by hand."""
+    return prefix * shape.passes(32) + shape.overhead_slots(32)
+
+
 def test_fit_prices_shared_decode_rows_by_the_kv_they_read(tmp_path: Path) -> None:
     """A GPU run of the shared-prefix runner: its shared-decode rows enter the fit with the KV
     they read (kv_tokens: the prefix once per pass), and the file's shared_prefix_attention
@@ -203,7 +209,7 @@ def test_fit_prices_shared_decode_rows_by_the_kv_they_read(tmp_path: Path) -> No
                          "step_ms": 1e3 * (a + b * batch + d * batch * 2048)})  # fmt: skip
         for ctx in (2048, 8192):
             p = ctx - 160
-            kv = 32 * 160 + PrefixShape.of(PRESETS[model]).read_slots(32, p, decode=True)
+            kv = 32 * 160 + one_prefix_read(PrefixShape.of(PRESETS[model]), p)
             rows.append({"model": model, "kind": "shared decode", "path": "graphs", "batch": 32,
                          "context": ctx, "shared": p, "kv_tokens": kv,
                          "step_ms": 1e3 * (a + b * 32 + d * kv)})  # fmt: skip
@@ -214,7 +220,7 @@ def test_fit_prices_shared_decode_rows_by_the_kv_they_read(tmp_path: Path) -> No
     assert clock.shared_prefix
     p = 8192 - 160
     for kind, model in ((SMALL, "qwen3-0.6b"), (LARGE, "qwen3-8b")):
-        kv = 32 * 160 + PrefixShape.of(PRESETS[model]).read_slots(32, p, decode=True)
+        kv = 32 * 160 + one_prefix_read(PrefixShape.of(PRESETS[model]), p)
         every_row = clock.prefix_read(kind, [PrefixGroup(tuple(range(32)), p)], np.arange(33))
         got = clock.forward_s(kind, 32, 32, 32 * 8192, every_row)
         assert got == pytest.approx(a + b * 32 + d * kv, rel=1e-6)
