@@ -177,6 +177,9 @@ class SharedPrefix:
     row_skip: torch.Tensor  # [rows] the prefix each row's own kernels skip
     tiles: torch.Tensor  # [num_tiles * TILE_FIELDS]
     tokens: torch.Tensor  # [T] query tokens grouped by tile
+    # Query tokens per tile the host cut the table for (PrefixShape.tokens_per_block): the
+    # kernel, whose tile comes from the tensors' shapes, checks that it holds that many.
+    tokens_per_tile: int
     groups: tuple[PrefixGroup, ...] | None = None
     skipped: int | None = None  # sum of rows x P over the groups: slot reads the rows skip
     longest: int | None = None  # the longest group prefix
@@ -257,18 +260,21 @@ class ForwardContext:
             hb.q_offsets[1:] - 1,
         ]
         groups = hb.prefix_groups(shared_prefix) if shared_prefix is not None else []
+        tables = []
         if groups:
             assert shared_prefix is not None
-            tables = prefix_tables(groups, hb.q_offsets, hb.kv_offsets, shared_prefix)
-            base += tables.arrays()
-        moved = to_device(base + list(extra), device)
-        facts["arrays"] = moved[len(base) :]
+            tables = prefix_tables(groups, hb.q_offsets, hb.kv_offsets, shared_prefix).arrays()
+        moved = to_device(base + tables + list(extra), device)
+        facts["arrays"] = moved[len(base) + len(tables) :]
         prefix = None
         if groups:
+            assert shared_prefix is not None
+            row_skip, tiles, tokens = moved[len(base) : len(base) + len(tables)]
             prefix = SharedPrefix(
-                moved[7],
-                moved[8],
-                moved[9],
+                row_skip,
+                tiles,
+                tokens,
+                shared_prefix.tokens_per_block,
                 groups=tuple(groups),
                 skipped=sum(len(g.rows) * g.length for g in groups),
                 longest=max(g.length for g in groups),

@@ -128,7 +128,10 @@ class DecodeGraphRunner:
         if groups:
             tiles = max_tiles(self.prefix_shape, rows, groups) * TILE_FIELDS
             prefix = SharedPrefix(
-                self._row_skip[:rows], self._tiles[:tiles], self._prefix_tokens[:rows]
+                self._row_skip[:rows],
+                self._tiles[:tiles],
+                self._prefix_tokens[:rows],
+                self.prefix_shape.tokens_per_block,
             )
         return ForwardContext(
             num_requests=rows,

@@ -61,9 +61,10 @@ def _common_len(kv_slots: np.ndarray, a: int, b: int, limit: int, guess: int = -
 
 def _best_group(
     kv_slots: np.ndarray, starts: np.ndarray, caps: np.ndarray, rows: list[int], min_len: int
-) -> tuple[list[int], int]:
+) -> tuple[list[int], int, list[int]]:
     """rows[0] as the anchor: the rows sharing >= min_len slots with it such that
-    (members - 1) x P is largest. Returns (members, P); P = 0 when no row shares enough."""
+    (members - 1) x P is largest. Returns (members, P, what each member after the anchor shares
+    with it); P = 0 when no row shares enough."""
     anchor, others = rows[0], rows[1:]
     cap = int(caps[anchor])
     common = np.zeros(len(others), np.int64)
@@ -74,10 +75,11 @@ def _best_group(
     by_len = np.argsort(-common, kind="stable")
     enough = int((common >= min_len).sum())
     if enough == 0:
-        return [anchor], 0
+        return [anchor], 0, []
     # Taking the k rows that share the most: P = the k-th longest, saving k x P.
     k = int(np.argmax(common[by_len[:enough]] * np.arange(1, enough + 1))) + 1
-    return [anchor, *(others[i] for i in by_len[:k].tolist())], int(common[by_len[k - 1]])
+    members = [anchor, *(others[i] for i in by_len[:k].tolist())]
+    return members, int(common[by_len[k - 1]]), common[by_len[:k]].tolist()
 
 
 def _may_share_more(
@@ -90,6 +92,39 @@ def _may_share_more(
     return len(np.unique(at)) < len(at)
 
 
+def _plan(
+    kv_slots: np.ndarray, starts: np.ndarray, caps: np.ndarray, rows: list[int], min_len: int
+) -> tuple[list[int], int]:
+    """The group to take next among rows (rows[0] first in line): (members, P). Candidates, all
+    drawn from the anchor's best group S (whose rows share >= P0 slots pairwise): S itself; the
+    members on a longer prompt, apart (nested prompts: rows on a prompt extending another);
+    and, when two members agree past P0, the same with the next row as the anchor (the first
+    diverged early). Each is valued by its saving plus what the rows of S it leaves can still
+    save together, (left - 1) x P0."""
+    taken, length, shares = _best_group(kv_slots, starts, caps, rows, min_len)
+    if length == 0:
+        return taken, 0
+    candidates = [(taken, length)]
+
+    def apart(members: list[int], p: int, common: list[int]) -> None:
+        deeper = [r for r, c in zip(members[1:], common, strict=True) if c > p]
+        if deeper:
+            inner, inner_len, _ = _best_group(kv_slots, starts, caps, [members[0], *deeper], 1)
+            candidates.append((inner, inner_len))
+
+    apart(taken, length, shares)
+    if len(taken) > 2 and _may_share_more(kv_slots, starts, caps, taken[1:], length):
+        alt, alt_len, alt_shares = _best_group(kv_slots, starts, caps, taken[1:], min_len)
+        if alt_len:
+            candidates.append((alt, alt_len))
+            apart(alt, alt_len, alt_shares)
+
+    def value(c: tuple[list[int], int]) -> int:
+        return (len(c[0]) - 1) * c[1] + max(len(taken) - len(c[0]) - 1, 0) * length
+
+    return max(candidates, key=value)
+
+
 def find_prefix_groups(
     kv_slots: np.ndarray,
     kv_offsets: np.ndarray,
@@ -99,11 +134,13 @@ def find_prefix_groups(
     max_groups: int = MAX_PREFIX_GROUPS,
 ) -> list[PrefixGroup]:
     """Disjoint groups of >= 2 of the first num_real rows (default all) whose slot lists share
-    >= min_len leading entries, each prefix capped so the rows' new tokens come after it
-    (P <= kv_len - q_len). Among rows with the same first slot, the first row left anchors a
-    group of the rows that keep (members - 1) x P largest (unless the group without it saves
-    more: an anchor that diverges early), and the rest try again. The max_groups saving the
-    most are kept, ordered by their first row."""
+    >= min_len (at least 1) leading entries, each prefix capped so the rows' new tokens come
+    after it (P <= kv_len - q_len). Among rows with the same first slot, the first row left
+    anchors a group of the rows that keep (members - 1) x P largest, unless the group without
+    it saves more (an anchor that diverges early) or the members sharing more than P with it
+    do, grouped apart from the others (nested prompts: rows on a prompt that extends another);
+    the rest try again. The max_groups saving the most are kept, ordered by their first row."""
+    min_len = max(min_len, 1)
     n = len(kv_offsets) - 1 if num_real is None else num_real
     starts = kv_offsets[:n]
     caps = np.diff(kv_offsets[: n + 1]) - np.diff(q_offsets[: n + 1])
@@ -117,11 +154,7 @@ def find_prefix_groups(
     for lo, hi in zip(bounds.tolist(), [*bounds[1:].tolist(), len(order)], strict=True):
         left = eligible[order[lo:hi]].tolist()
         while len(left) >= 2:
-            taken, length = _best_group(kv_slots, starts, caps, left, min_len)
-            if len(taken) > 2 and _may_share_more(kv_slots, starts, caps, taken[1:], length):
-                alt, alt_len = _best_group(kv_slots, starts, caps, taken[1:], min_len)
-                if (len(alt) - 1) * alt_len > (len(taken) - 1) * length:
-                    taken, length = alt, alt_len
+            taken, length = _plan(kv_slots, starts, caps, left, min_len)
             if length == 0:
                 left = left[1:]  # the anchor shares too little with anyone
                 continue

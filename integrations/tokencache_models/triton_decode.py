@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .context import SharedPrefix
 from .triton_prefix import prefix_splits, shared_prefix_partials
-from .triton_splitkv import attend_block, kv_block, merge_splits
+from .triton_splitkv import attend_block, kv_block, merge_splits, store_empty_partials
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -101,20 +101,10 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
         # A row outside every group (padding rows too): no prefix tile covers it, so its prefix
         # columns are written empty here (m = -inf, l = 0, acc = 0) for the merge.
         if (row_skip == 0) & (split == 0):
-            none = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            for col in range(num_splits, num_splits + prefix_cols):
-                tl.store(
-                    Acc + b * stride_ab + heads[:, None] * stride_ah + col * stride_as
-                    + offs_d[None, :],
-                    tl.zeros([GROUP_PAD, BLOCK_D], tl.float32),
-                    mask=out_mask,
-                )  # fmt: skip
-                tl.store(M + b * stride_mb + heads * stride_mh + col, none, mask=g_mask)
-                tl.store(
-                    L + b * stride_mb + heads * stride_mh + col,
-                    tl.zeros([GROUP_PAD], tl.float32),
-                    mask=g_mask,
-                )
+            store_empty_partials(
+                Acc, M, L, b + 0 * offs_g, heads, num_splits, prefix_cols, g_mask, offs_d,
+                d_mask, stride_ab, stride_ah, stride_as, stride_mb, stride_mh, GROUP_PAD, BLOCK_D,
+            )  # fmt: skip
 
 
 def num_splits(batch: int, kv_heads: int) -> int:

@@ -129,6 +129,11 @@ def shared_prefix_partials(
     shape = prefix_shape(q, k_cache)
     splits = acc.shape[2] - split0
     assert splits >= 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if prefix.tokens_per_tile > shape.tokens_per_block:  # a tile's extra tokens would be lost
+        raise ValueError(
+            f"prefix tables cut for {prefix.tokens_per_tile} tokens per tile, the kernel takes "
+            f"{shape.tokens_per_block} ({shape})"
+        )
     q = q.contiguous()
     num_tiles = prefix.tiles.numel() // TILE_FIELDS
     if num_tiles == 0:

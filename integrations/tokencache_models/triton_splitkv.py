@@ -120,6 +120,38 @@ def store_partial(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def store_empty_partials(  # type: ignore[no-untyped-def]
+    Acc,
+    M,
+    L,
+    token,
+    head,
+    col0,
+    cols,
+    row_ok,
+    offs_d,
+    d_mask,
+    stride_at,
+    stride_ah,
+    stride_as,
+    stride_mt,
+    stride_mh,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Empty partials (acc 0, max -inf, sum 0: they weigh nothing in the merge) into split
+    columns [col0, col0 + cols) for rows that no kernel attends there."""
+    none = tl.full([ROWS], float("-inf"), tl.float32)
+    zero = tl.zeros([ROWS], tl.float32)
+    empty = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for col in range(col0, col0 + cols):
+        store_partial(
+            Acc, M, L, empty, none, zero, token, head, col, row_ok, offs_d, d_mask, stride_at,
+            stride_ah, stride_as, stride_mt, stride_mh,
+        )  # fmt: skip
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def attend_block(  # type: ignore[no-untyped-def]
     acc,
     m_i,

@@ -30,6 +30,7 @@ from .triton_splitkv import (
     kv_block,
     load_query_block,
     merge_splits,
+    store_empty_partials,
     store_partial,
 )
 
@@ -131,14 +132,10 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
             # A request outside every group: no prefix tile covers its tokens, so their prefix
             # columns are written empty here (m = -inf, l = 0, acc = 0) for the merge.
             if (row_skip == 0) & (split == 0):
-                none = tl.full([ROWS], float("-inf"), tl.float32)
-                zero = tl.zeros([ROWS], tl.float32)
-                empty = tl.zeros([ROWS, BLOCK_D], tl.float32)
-                for col in range(splits, splits + prefix_cols):
-                    store_partial(
-                        Acc, M, L, empty, none, zero, q0 + tok, head, col, row_ok, offs_d, d_mask,
-                        stride_at, stride_ah, stride_as, stride_mt, stride_mh,
-                    )  # fmt: skip
+                store_empty_partials(
+                    Acc, M, L, q0 + tok, head, splits, prefix_cols, row_ok, offs_d, d_mask,
+                    stride_at, stride_ah, stride_as, stride_mt, stride_mh, ROWS, BLOCK_D,
+                )  # fmt: skip
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -198,8 +195,7 @@ def paged_varlen(
     bsz = q_offsets.numel() - 1
     block_n = block_n or kv_block(k_cache.dtype)
     rows = rows or kv_block(k_cache.dtype)  # the same rule: 64, or 32 for fp32's IEEE dots
-    skipped = prefix.skipped if prefix is not None and prefix.skipped else 0
-    kv_read = kv_slots.numel() - skipped
+    kv_read = kv_slots.numel() - ((prefix.skipped or 0) if prefix is not None else 0)
     rows, tokens, m_blocks, auto = varlen_grid(
         bsz, max_q_len, heads, kv_heads, kv_read, rows, block_n
     )

@@ -308,7 +308,22 @@ def test_an_anchor_that_diverges_early_is_left_out() -> None:
     rows = [[1] * 4 + [0], [1] * 9 + [2], [1] * 9 + [3], [1] * 9 + [4]]
     groups = find_prefix_groups(*arrays(rows, [1] * 4), min_len=2)
     assert groups == [PrefixGroup((1, 2, 3), 9)]
-    # Many rows on the outer prompt: keeping them all saves more (6 x 4 > 1 x 9).
+    # Many rows on the outer prompt: keeping them all saves more (7 x 4 > 5 x 4 + 1 x 9 is not
+    # found: neither of the first two anchors sees the pair's longer prompt).
     rows = [[1] * 4 + [i] for i in range(6)] + [[1] * 9 + [7], [1] * 9 + [8]]
     groups = find_prefix_groups(*arrays(rows, [1] * 8), min_len=2)
     assert groups == [PrefixGroup(tuple(range(8)), 4)]
+
+
+def test_rows_on_a_nested_prompt_group_apart() -> None:
+    """Four rows on prompt A + B (12 slots), six on A alone (7): one group of all saves 9 x 7,
+    two groups 3 x 12 + 5 x 7 (helper-15's case); whichever row comes first."""
+    a, b = list(range(1, 8)), list(range(8, 13))
+    on_ab = [[*a, *b, 100 + i] for i in range(4)]
+    on_a = [[*a, 200 + i] for i in range(6)]
+    groups = find_prefix_groups(*arrays(on_ab + on_a, [1] * 10), min_len=2)
+    assert groups == [PrefixGroup((0, 1, 2, 3), 12), PrefixGroup(tuple(range(4, 10)), 7)]
+    # The first row on A alone: the three on A + B still go apart (2 x 12 + 5 x 7 > 8 x 7).
+    rows = [on_a[0], *on_ab[:3], *on_a[1:]]
+    groups = find_prefix_groups(*arrays(rows, [1] * 9), min_len=2)
+    assert groups == [PrefixGroup((0, 4, 5, 6, 7, 8), 7), PrefixGroup((1, 2, 3), 12)]

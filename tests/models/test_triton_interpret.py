@@ -208,10 +208,10 @@ def build(segments, rows, tails, q_lens, kv_heads, head_dim):
     return ForwardBatch.from_requests([[0] * n for n in q_lens], pre, new), kc, vc
 
 
-def on_device(tables):
+def on_device(tables, shape):
     groups = tables.groups
-    return SharedPrefix(*(torch.from_numpy(a) for a in tables.arrays()), groups=groups,
-                        skipped=sum(len(g.rows) * g.length for g in groups),
+    return SharedPrefix(*(torch.from_numpy(a) for a in tables.arrays()), shape.tokens_per_block,
+                        groups=groups, skipped=sum(len(g.rows) * g.length for g in groups),
                         longest=max((g.length for g in groups), default=0))
 
 
@@ -239,7 +239,7 @@ def check(heads, kv_heads, head_dim, segments, rows, tails, q_lens, expect, pad=
         prefix_tables([], hb.q_offsets, hb.kv_offsets, shape),
     ]
     outs = []
-    for prefix in [on_device(t) for t in tables] + [None]:
+    for prefix in [on_device(t, shape) for t in tables] + [None]:
         if ctx.is_decode:
             outs.append(paged_decode(q, kc, vc, slots, kv_off, scale, block_n=16, prefix=prefix))
         else:
@@ -277,6 +277,7 @@ check(4, 2, 16, two, [["B"], ["A"], ["B"], ["A"], []], [2, 0, 9, 4, 6], [3, 7, 1
 # The 16-bit caches' tile (128 rows: 64 tokens of a group of 2) on fp32 data: 70 decode rows
 # in two groups, each spanning two tiles.
 from tokencache_models.prefix_plan import PrefixShape
+real_prefix_shape = triton_prefix.prefix_shape
 triton_prefix.prefix_shape = lambda q, k: PrefixShape(q.shape[1] // k.shape[1], k.shape[1],
                                                       q.shape[2], itemsize=2)
 check(4, 2, 16, {"A": 90}, [["A"]] * 70, [i % 5 for i in range(70)], [1] * 70,
@@ -294,6 +295,21 @@ slots[off + 60] = int(slots[0])  # row 1 differs from row 0 at index 60
 args = (slots.numpy(), batch.kv_offsets.numpy(), batch.q_offsets.numpy())
 assert [(g.rows, g.length) for g in find_prefix_groups(*args, min_len=1)] == [((0, 1), 60)]
 assert find_prefix_groups(*args, min_len=64) == []
+# Tables cut for another tile than the kernel's are refused (tokens would be lost).
+from tokencache_models.prefix_plan import PrefixShape as _Shape
+batch, kc, vc = build({"A": 100}, [["A"]] * 2, [3, 4], [1, 1], 2, 16)
+hb = HostBatch.from_batch(batch)
+q = torch.randn(2, 4, 16)
+wrong = _Shape(1, 2, 16)  # 128 tokens per tile; the (patched) kernel's takes 64
+bad = on_device(prefix_tables(find_prefix_groups(hb.kv_slots, hb.kv_offsets, hb.q_offsets,
+                                                 min_len=1), hb.q_offsets, hb.kv_offsets, wrong),
+                wrong)
+try:
+    paged_decode(q, kc, vc, batch.kv_slots, batch.kv_offsets, 0.25, block_n=16, prefix=bad)
+    raise AssertionError("a table cut for another tile ran")
+except ValueError as e:
+    assert "tokens per tile" in str(e)
+triton_prefix.prefix_shape = real_prefix_shape
 
 # Whole model: four requests on one 100-token system prompt and two on a 200-token one, decode
 # and catch-up steps through the Triton backend (prefix path on) against the torch backend, then
