@@ -32,12 +32,6 @@ DEFAULT_DECODE_BUCKETS: tuple[int, ...] = (
 KV_CHUNK = 64
 
 
-def prefix_cap(kv_offsets: np.ndarray, q_offsets: np.ndarray, n: int) -> int:
-    """The longest prefix the first n rows could share: min(kv_len - q_len), so every row's new
-    tokens come after it."""
-    return int((np.diff(kv_offsets[: n + 1]) - np.diff(q_offsets[: n + 1])).min())
-
-
 def shared_prefix_len(
     kv_slots: np.ndarray,
     kv_offsets: np.ndarray,
@@ -55,7 +49,8 @@ def shared_prefix_len(
     if n < 2:
         return 0
     starts = kv_offsets[:n]
-    p = prefix_cap(kv_offsets, q_offsets, n)
+    # At most min(kv_len - q_len): every row's new tokens come after the prefix.
+    p = int((np.diff(kv_offsets[: n + 1]) - np.diff(q_offsets[: n + 1])).min())
     first = kv_slots[starts[0] : starts[0] + p]
     for s in starts[1:].tolist():
         if p < min_len:

@@ -17,7 +17,14 @@ import triton.language as tl
 
 from .context import SharedPrefix
 from .triton_prefix import prefix_splits, shared_prefix_partials
-from .triton_splitkv import attend_block, kv_block, merge_splits, store_empty_partials
+from .triton_splitkv import (
+    attend_block,
+    cache_strides,
+    kv_block,
+    merge_splits,
+    partial_strides,
+    store_empty_partials,
+)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -160,15 +167,8 @@ def paged_decode(
         extra,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        acc.stride(0),
-        acc.stride(1),
-        acc.stride(2),
-        m.stride(0),
-        m.stride(1),
+        *cache_strides(k_cache, v_cache),
+        *partial_strides(acc, m),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         HEAD_DIM=head_dim,

@@ -26,7 +26,13 @@ import triton.language as tl
 from .context import SharedPrefix
 from .prefix_groups import TILE_FIELDS
 from .prefix_plan import PrefixShape
-from .triton_splitkv import attend_block, load_query_tokens, store_partial
+from .triton_splitkv import (
+    attend_block,
+    cache_strides,
+    load_query_tokens,
+    partial_strides,
+    store_partial,
+)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -153,15 +159,8 @@ def shared_prefix_partials(
         split0,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        acc.stride(0),
-        acc.stride(1),
-        acc.stride(2),
-        m.stride(0),
-        m.stride(1),
+        *cache_strides(k_cache, v_cache),
+        *partial_strides(acc, m),
         GROUP=heads // kv_heads,
         GROUP_PAD=triton.next_power_of_2(heads // kv_heads),
         ROWS=shape.rows,

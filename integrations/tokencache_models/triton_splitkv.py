@@ -19,6 +19,48 @@ def kv_block(dtype: torch.dtype) -> int:
     return kv_block_slots(dtype.itemsize)
 
 
+def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Every kernel's stride_ks, stride_kh, stride_vs, stride_vh: K's then V's (slot, head)
+    strides (the head dim is contiguous)."""
+    return k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1)
+
+
+def partial_strides(acc: torch.Tensor, m: torch.Tensor) -> tuple[int, ...]:
+    """Every kernel's stride_at, stride_ah, stride_as, stride_mt, stride_mh: the partial
+    buffers' (token, head, split) and (token, head) strides."""
+    return acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _query_rows(  # type: ignore[no-untyped-def]
+    Q,
+    tok,
+    tok_ok,
+    kvh,
+    stride_qt,
+    stride_qh,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Row r of the block: token tok[r] of Q (tok_ok[r]: it exists) with query head r % GROUP_PAD
+    of the kv head's GQA group (padded to GROUP_PAD). Returns (q, head, row_ok, offs_d,
+    d_mask)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    g = tl.arange(0, ROWS) % GROUP_PAD
+    row_ok = tok_ok & (g < GROUP)
+    d_mask = offs_d < HEAD_DIM
+    head = kvh * GROUP + g
+    q = tl.load(
+        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    return q, head, row_ok, offs_d, d_mask
+
+
 @triton.jit  # type: ignore[untyped-decorator]
 def load_query_block(  # type: ignore[no-untyped-def]
     Q,
@@ -36,19 +78,12 @@ def load_query_block(  # type: ignore[no-untyped-def]
 ):
     """ROWS query rows: tokens t0, t0 + 1, ... (of q_len, stored from row q0 of Q) x the kv
     head's GQA group (padded to GROUP_PAD), so K/V are loaded once for the whole group.
-    Returns (q, tok, head, row_ok, offs_d, d_mask)."""
-    offs_r = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, BLOCK_D)
-    tok = t0 + offs_r // GROUP_PAD
-    g = offs_r % GROUP_PAD
-    row_ok = (tok < q_len) & (g < GROUP)
-    d_mask = offs_d < HEAD_DIM
-    head = kvh * GROUP + g
-    q = tl.load(
-        Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    Returns (q, tok, head, row_ok, offs_d, d_mask); tok: each row's token index in the request."""
+    tok = t0 + tl.arange(0, ROWS) // GROUP_PAD
+    q, head, row_ok, offs_d, d_mask = _query_rows(
+        Q + q0 * stride_qt, tok, tok < q_len, kvh, stride_qt, stride_qh, ROWS, GROUP, GROUP_PAD,
+        HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
     return q, tok, head, row_ok, offs_d, d_mask
 
 
@@ -70,18 +105,10 @@ def load_query_tokens(  # type: ignore[no-untyped-def]
     """As load_query_block, for the tokens listed at Tokens[t0], Tokens[t0 + 1], ... (count
     of them) instead of a run of consecutive ones. Returns (q, tok, head, row_ok, offs_d,
     d_mask); tok: each row's token index in Q."""
-    offs_r = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, BLOCK_D)
-    j = offs_r // GROUP_PAD
-    g = offs_r % GROUP_PAD
-    row_ok = (j < count) & (g < GROUP)
-    d_mask = offs_d < HEAD_DIM
+    j = tl.arange(0, ROWS) // GROUP_PAD
     tok = tl.load(Tokens + t0 + j, mask=j < count, other=0)
-    head = kvh * GROUP + g
-    q = tl.load(
-        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_mask[None, :],
-        other=0.0,
+    q, head, row_ok, offs_d, d_mask = _query_rows(
+        Q, tok, j < count, kvh, stride_qt, stride_qh, ROWS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D
     )
     return q, tok, head, row_ok, offs_d, d_mask
 
