@@ -22,13 +22,12 @@ from .batch import (
     attach_all,
     overlaps_prefill,
     prepare_forward,
-    route_step,
-    sample,
     take_catchup_batch,
     tokens_needed,
 )
 from .kv import KVHandle, ModelSide
 from .routers import Router
+from .sampling import route_step, sample
 from .state import LARGE, SMALL, Request, Stats
 
 
