@@ -26,6 +26,9 @@ class ModelSide:
         self.pool = pool
         self.tree = tokencache.RadixTree(page_size=page_size)
         self.bookkeeping_s = 0.0
+        # The same time by tree operation (match, lock, insert, unlock, extend, release,
+        # evict): the published per-step breakdown is in these terms.
+        self.bookkeeping_by_op: dict[str, float] = {}
         # Measuring on CUDA: synchronise around tree calls, so device work a tree enqueues (as
         # SGLang's does) is charged to bookkeeping, not to the next forward.
         self.sync_cuda = False
@@ -38,14 +41,16 @@ class ModelSide:
             torch.cuda.synchronize(self.model.device)
 
     @contextmanager
-    def bookkeeping(self) -> Iterator[None]:
+    def bookkeeping(self, op: str = "other") -> Iterator[None]:
         self.sync()
         t0 = self.timer()
         try:
             yield
         finally:
             self.sync()
-            self.bookkeeping_s += self.timer() - t0
+            dt = self.timer() - t0
+            self.bookkeeping_s += dt
+            self.bookkeeping_by_op[op] = self.bookkeeping_by_op.get(op, 0.0) + dt
 
     def alloc(self, n: int) -> np.ndarray:
         return self.pool.alloc(n).numpy()
@@ -55,7 +60,7 @@ class ModelSide:
             self.pool.free(torch.as_tensor(slots, dtype=torch.int64))
 
     def evict(self, n: int) -> int:
-        with self.bookkeeping():
+        with self.bookkeeping("evict"):
             slots = self.tree.evict(n)
         self.free(slots)
         return len(slots)
@@ -112,8 +117,9 @@ class CursorKV:
 
     def attach(self, seq: np.ndarray) -> None:
         """Pin the longest cached prefix of seq[:-1] (at least one token is left to run)."""
-        with self.side.bookkeeping():
+        with self.side.bookkeeping("match"):
             m = self.side.tree.match_prefix(seq[:-1])
+        with self.side.bookkeeping("lock"):
             self.cursor = self.side.tree.cursor_at(m.node)
             matched = m.slots
         self._row = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
@@ -147,7 +153,7 @@ class CursorKV:
     ) -> None:
         """One native extend for the whole batch; duplicates go back to the allocator and the
         rows point at the tree's slots for them instead."""
-        with side.bookkeeping():
+        with side.bookkeeping("extend"):
             cursors = [h.cursor for h in handles if h.cursor is not None]
             if len(cursors) != len(handles):
                 raise RuntimeError("commit_many: a handle has no cursor (not attached)")
@@ -167,7 +173,7 @@ class CursorKV:
     def release(self, seq: np.ndarray) -> None:
         if self.cursor is None:
             return
-        with self.side.bookkeeping():
+        with self.side.bookkeeping("unlock"):
             tail = self.cursor.release()
         self.cursor = None
         self._n = 0

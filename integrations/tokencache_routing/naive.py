@@ -30,8 +30,9 @@ class NaiveKV:
 
     def attach(self, seq: np.ndarray) -> None:
         tree = self.side.tree
-        with self.side.bookkeeping():
+        with self.side.bookkeeping("match"):
             m = tree.match_prefix(seq[:-1])
+        with self.side.bookkeeping("lock"):
             tree.lock(m.node)
         self.node = m.node
         self._slots = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
@@ -76,8 +77,9 @@ class NaiveKV:
         # The tree caches whole pages only (as SGLang's does): the partial last page's slots
         # are the request's own and go back with it.
         aligned = self._n - self._n % tree.page_size
-        with self.side.bookkeeping():
+        with self.side.bookkeeping("insert"):
             res = tree.insert(seq[:aligned], self._slots[:aligned])
+        with self.side.bookkeeping("unlock"):
             tree.unlock(self.node)
         # Slots the tree already held for [prefix_len, res.prefix_len) are duplicates.
         self.side.free(self._slots[self._prefix_len : res.prefix_len].copy())

@@ -128,7 +128,7 @@ class SGLangSide(ModelSide):
 
     def evict(self, n: int) -> int:
         free0 = self.allocator.free_s
-        with self.bookkeeping():
+        with self.bookkeeping("evict"):
             res = self.cache.evict(_SGL.EvictParams(num_tokens=n))  # type: ignore[union-attr]
         self.bookkeeping_s -= self.allocator.free_s - free0  # the pool's own work
         return int(res.num_tokens_evicted)
@@ -155,10 +155,13 @@ class NaiveSGLangKV(NaiveKV):
         """Admitted as new: match seq[:-1] from the root, lock, read the prefix slots."""
         sgl = _SGL
         cache = self.side.cache
-        with self.side.bookkeeping():  # synchronised on CUDA: SGLang's device work counts
+        # Synchronised on CUDA: SGLang's device work counts.
+        with self.side.bookkeeping("match"):
             m = cache.match_prefix(sgl.MatchPrefixParams(key=_key(seq[:-1])))  # type: ignore[union-attr]
             node = m.last_device_node
+        with self.side.bookkeeping("lock"):
             cache.inc_lock_ref(node)
+        with self.side.bookkeeping("match"):  # the matched slots, read out as SGLang does
             prefix = cache.path_device_indices(node).cpu().numpy()
         n = len(prefix)
         self.node = node
@@ -174,13 +177,14 @@ class NaiveSGLangKV(NaiveKV):
         cache = side.cache
         n = self._n
         aligned = n - n % side.page_size
-        with side.bookkeeping():
+        with side.bookkeeping("insert"):
             res = cache.insert(
                 sgl.InsertParams(  # type: ignore[union-attr]
                     key=_key(seq[:aligned]),
                     value=torch.from_numpy(self._slots[:aligned].copy()),
                 )
             )
+        with side.bookkeeping("unlock"):
             cache.dec_lock_ref(self.node)
         # Slots the tree already held for [prefix_len, res.prefix_len) are duplicates; a
         # partial last page never enters the tree.

@@ -247,7 +247,7 @@ class Scheduler:
         side = self.sides[kind]
 
         def cached(r: Request) -> int:
-            with side.bookkeeping():
+            with side.bookkeeping("match"):
                 return int(side.tree.match_prefix(r.seq[: r.n - 1]).length)
 
         return cached
