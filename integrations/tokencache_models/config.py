@@ -1,4 +1,4 @@
-"""Model configuration for the paged-KV runner (Qwen3 and Llama decoder-only models)."""
+"""Model configuration for the paged-KV runner (Qwen3, Qwen2 and Llama decoder-only models)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedConfigError(ValueError):
+    """A config field whose value the runner does not implement; `field` names it.
+
+    Raised instead of building a model that would silently compute something else."""
+
+    def __init__(self, field: str, value: Any, why: str) -> None:
+        super().__init__(f"{field}={value!r} is not supported: {why}")
+        self.field = field
+        self.value = value
 
 
 @dataclass(frozen=True)
@@ -32,10 +44,29 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # Also guards configs built directly (presets, tests), not only from_hf_dict.
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedConfigError(
+                "model_type", self.model_type, f"expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        if self.attention_bias:
+            # HF's attention_bias (Llama, Qwen3) puts a bias on o_proj too; only Qwen2's
+            # q/k/v bias is implemented (qkv_bias).
+            raise UnsupportedConfigError(
+                "attention_bias", True, "only Qwen2's q/k/v biases are implemented"
+            )
+
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 normalises q and k per head before RoPE; Llama does not."""
+        """Qwen3 normalises q and k per head before RoPE; Qwen2 and Llama do not."""
         return self.model_type == "qwen3"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 always has biases on q_proj, k_proj and v_proj (none on o_proj or the MLP);
+        transformers' Qwen2Attention hard-codes them, its config has no field for it."""
+        return self.model_type == "qwen2"
 
     @property
     def kv_elems_per_token(self) -> int:
@@ -51,11 +82,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """From a config.json / PretrainedConfig.to_dict(); raises UnsupportedConfigError for
+        any field whose value would make transformers compute something this runner does not."""
         model_type = d.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; expected {SUPPORTED_MODEL_TYPES}"
+            raise UnsupportedConfigError(
+                "model_type", model_type, f"expected one of {SUPPORTED_MODEL_TYPES}"
             )
+        _refuse_unsupported(model_type, d)
         heads = int(d["num_attention_heads"])
         head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
         # transformers >= 5 writes "rope_parameters" (theta included); older files use
@@ -66,10 +100,10 @@ class ModelConfig:
         rope_type = (
             scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
         )
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}")
-        if d.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedConfigError(
+                "rope_scaling.rope_type", rope_type, f"expected one of {SUPPORTED_ROPE_TYPES}"
+            )
         return cls(
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),
@@ -92,6 +126,31 @@ class ModelConfig:
     def from_pretrained_dir(cls, path: str | Path) -> ModelConfig:
         with open(Path(path) / "config.json", encoding="utf-8") as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def _refuse_unsupported(model_type: str, d: dict[str, Any]) -> None:
+    """The HF fields that change the computation and that this runner does not implement."""
+    # Qwen2 ignores attention_bias (its q/k/v biases are always on, o_proj has none).
+    if model_type != "qwen2" and d.get("attention_bias"):
+        raise UnsupportedConfigError(
+            "attention_bias", d["attention_bias"], "only Qwen2's q/k/v biases are implemented"
+        )
+    if d.get("mlp_bias"):
+        raise UnsupportedConfigError("mlp_bias", d["mlp_bias"], "the MLP has no biases")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedConfigError("hidden_act", act, "the MLP is SwiGLU (silu)")
+    # Qwen2 / Qwen3: sliding-window attention on layers >= max_window_layers; the attention
+    # backends attend over every slot of a request, so a sliding layer would be wrong.
+    if d.get("use_sliding_window"):
+        raise UnsupportedConfigError(
+            "use_sliding_window", d["use_sliding_window"], "attention is over the whole context"
+        )
+    sliding = [t for t in d.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        raise UnsupportedConfigError(
+            "layer_types", sorted(set(sliding)), "every layer must be full_attention"
+        )
 
 
 def _qwen3(layers: int, hidden: int, inter: int, heads: int, tie: bool) -> ModelConfig:
@@ -151,10 +210,64 @@ def _llama3(
 LLAMA_3_2_1B = _llama3(layers=16, hidden=2048, inter=8192, head_dim=64, factor=32.0, tie=True)
 LLAMA_3_1_8B = _llama3(layers=32, hidden=4096, inter=14336, head_dim=128, factor=8.0, tie=False)
 
+
+def _r1_distill_qwen(
+    layers: int,
+    hidden: int,
+    inter: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    theta: float,
+    eps: float,
+) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen2",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=eps,
+        rope_theta=theta,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        eos_token_id=151643,
+    )
+
+
+# DeepSeek-R1-Distill-Qwen-1.5B / -32B (Qwen2 architecture; from their config.json): R2R's
+# routing pair. Both untied; their vocabularies differ in padding only (151936 vs 152064 rows
+# over one tokenizer), so a pair of them needs the engine to route over the shared ids.
+R1_DISTILL_QWEN_1_5B = _r1_distill_qwen(
+    layers=28,
+    hidden=1536,
+    inter=8960,
+    heads=12,
+    kv_heads=2,
+    vocab=151936,
+    theta=10000.0,
+    eps=1e-6,
+)
+R1_DISTILL_QWEN_32B = _r1_distill_qwen(
+    layers=64,
+    hidden=5120,
+    inter=27648,
+    heads=40,
+    kv_heads=8,
+    vocab=152064,
+    theta=1_000_000.0,
+    eps=1e-5,
+)
+
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": QWEN3_0_6B,
     "qwen3-8b": QWEN3_8B,
     "qwen3-32b": QWEN3_32B,
     "llama-3.2-1b": LLAMA_3_2_1B,
     "llama-3.1-8b": LLAMA_3_1_8B,
+    "r1-distill-qwen-1.5b": R1_DISTILL_QWEN_1_5B,
+    "r1-distill-qwen-32b": R1_DISTILL_QWEN_32B,
 }

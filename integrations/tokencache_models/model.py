@@ -37,9 +37,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        # Qwen2: biases on q/k/v only (named like HF's ...q_proj.bias); o_proj never has one.
+        qkv_bias = config.qkv_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
