@@ -49,7 +49,8 @@ def model_from_state_dict(
     model = empty_model(config, device, dtype, attention_backend)
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     expected = set(params)
-    given = set(state_dict)
+    # Checkpoints converted with old transformers carry RoPE's inv_freq buffers; we recompute them.
+    given = {k for k in state_dict if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         given.discard("lm_head.weight")
     missing, unexpected = expected - given, given - expected
@@ -96,7 +97,8 @@ def from_transformers(
     dtype: torch.dtype | None = None,
     attention_backend: str = "auto",
 ) -> CausalLM:
-    """Copies the weights of a loaded transformers Qwen3/Llama *ForCausalLM into our runner."""
+    """Copies the weights of a loaded transformers Qwen3 / Qwen2 / Llama *ForCausalLM into our
+    runner (Qwen2's q/k/v biases included)."""
     hf_config: Any = hf_model.config
     config = ModelConfig.from_hf_dict(hf_config.to_dict())
     sd = hf_model.state_dict()
