@@ -38,7 +38,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
     TreeLock,
 )
-from sglang.srt.mem_cache.events import KVCacheEventRecorder
 
 import tokencache
 
@@ -124,7 +123,9 @@ class TokenCacheRadixCache(BasePrefixCache):
             enable_events=self._events_enabled,
         )
         self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self._recorder = KVCacheEventRecorder(
+        # RadixCache's attribute, SGLang's recorder class (disabled: every call a no-op).
+        self.kv_events: kv_events.TreeEventRecorder = kv_events.TreeEventRecorder(
+            self.tree,
             enabled=self._events_enabled,
             page_size=self.page_size,
             dynamo_format=params.dynamo_kv_event_format,
@@ -141,10 +142,14 @@ class TokenCacheRadixCache(BasePrefixCache):
         disable: bool = False,
         mock_allocator: Any | None = None,
         page_size: int = 1,
+        enable_kv_cache_events: bool = False,
+        dynamo_kv_event_format: bool = False,
+        kv_event_lora_names: Any | None = None,
         eviction_policy: str = "lru",
         req_to_token_pool: Any | None = None,
     ) -> TokenCacheRadixCache:
-        """A cache without real memory pools, like ``RadixCache.create_simulated``."""
+        """A cache without real memory pools, like ``RadixCache.create_simulated`` (same
+        arguments, in its order; eviction_policy and req_to_token_pool are ours)."""
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
         return cls(
@@ -154,6 +159,9 @@ class TokenCacheRadixCache(BasePrefixCache):
                 token_to_kv_pool_allocator=mock_allocator,
                 page_size=page_size,
                 eviction_policy=eviction_policy,
+                enable_kv_cache_events=enable_kv_cache_events,
+                dynamo_kv_event_format=dynamo_kv_event_format,
+                kv_event_lora_names=kv_event_lora_names,
             )
         )
 
@@ -219,8 +227,42 @@ class TokenCacheRadixCache(BasePrefixCache):
         # Without a value RadixCache stores the token ids themselves (a debug fallback).
         slots = tokens.copy() if params.value is None else self._to_numpy(params.value[:n])
         namespace = self._namespace(key.extra_key, key.cache_salt)
-        result = self.tree.insert(tokens, slots, namespace, inserted_len=params.inserted_len)
+        try:
+            result = self.tree.insert(tokens, slots, namespace, inserted_len=params.inserted_len)
+        except tokencache.DuplicateSlotError:
+            # A value repeating a slot (the token-id fallback above: [1, 2, 1, 2]). The tree
+            # refuses that in one call, and changed nothing; RadixCache stores it as given.
+            return self._insert_repeating(tokens, slots, namespace, params.inserted_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.node)
+
+    def _insert_repeating(
+        self, tokens: np.ndarray, slots: np.ndarray, namespace: str | None, inserted_len: int
+    ) -> InsertResult:
+        """insert() of a value that repeats slots: the matched prefix, then the rest appended
+        in page-aligned runs that each hold a slot once (a cursor checks one call's slots).
+        A slot repeated inside one page cannot be split this way and is still refused."""
+        match = self.tree.match_prefix(tokens, namespace)
+        cursor = self.tree.cursor_at(match.node)
+        try:
+            page = self.page_size
+            start, seen = match.length, set[int]()
+            for at in range(match.length, len(tokens), page):
+                page_slots = slots[at : at + page].tolist()
+                if len(set(page_slots)) < len(page_slots):
+                    raise tokencache.DuplicateSlotError(
+                        f"insert: a slot repeats inside the page at token {at}; the native "
+                        "tree holds each slot once per page"
+                    )
+                if seen.intersection(page_slots):
+                    cursor.extend(tokens[start:at], slots[start:at])
+                    start, seen = at, set()
+                seen.update(page_slots)
+            cursor.extend(tokens[start:], slots[start:])
+            cursor.record_hits(inserted_len)
+            node = cursor.node
+        finally:
+            cursor.release()  # whole pages only: no uncached tail to free
+        return InsertResult(prefix_len=match.length, last_device_node=node)
 
     def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:
         if self.disable:
@@ -398,10 +440,7 @@ class TokenCacheRadixCache(BasePrefixCache):
         print(f"#tokens: {self.total_size()}")
 
     def take_events(self) -> list[Any]:
-        if self._events_enabled:
-            kv_events.replay(self._recorder, self.tree.take_events(), self.page_size)
-        events: list[Any] = self._recorder.take()
-        return events
+        return self.kv_events.take()
 
     def _namespace(self, extra_key: str | None, cache_salt: str | None) -> str | None:
         """The tree namespace of a key; a salted one's events chain from SGLang's salt seed."""

@@ -44,13 +44,50 @@ class _EventNode:
 _ROOT = _EventNode(RadixKey(array("q")), None, [])
 
 
+class TreeEventRecorder(KVCacheEventRecorder):  # type: ignore[misc]  # sglang is untyped
+    """SGLang's recorder as RadixCache's ``kv_events``, fed from the native tree.
+
+    The tree records its events natively; they are replayed here, in order, before anything
+    else is recorded or taken, so ``cache.kv_events.take()`` and ``cache.take_events()`` give
+    what RadixCache's recorder would hold at that moment.
+    """
+
+    def __init__(
+        self,
+        tree: tokencache.RadixTree,
+        *,
+        enabled: bool,
+        page_size: int,
+        dynamo_format: bool = False,
+        lora_names: Any = None,
+    ) -> None:
+        super().__init__(
+            enabled=enabled, page_size=page_size, dynamo_format=dynamo_format, lora_names=lora_names
+        )
+        self.tree = tree
+
+    def flush(self) -> None:
+        """Replay the tree's pending events (taking them drains the tree: no re-entry)."""
+        if self.enabled:
+            replay(self, self.tree.take_events(), self.page_size)
+
+    def record_all_cleared(self) -> None:
+        self.flush()
+        super().record_all_cleared()
+
+    def take(self) -> list[Any]:
+        self.flush()
+        events: list[Any] = super().take()
+        return events
+
+
 def replay(
     recorder: KVCacheEventRecorder, events: list[tokencache.KVEvent], page_size: int
 ) -> None:
     """Record the tree's events, in order, on SGLang's recorder."""
     for event in events:
         if event.kind == "cleared":
-            recorder.record_all_cleared()
+            KVCacheEventRecorder.record_all_cleared(recorder)  # not the flushing override
             continue
         extra_key, cache_salt = (
             (None, None) if event.namespace is None else json.loads(event.namespace)
