@@ -243,20 +243,21 @@ def test_abort_refused_once_the_last_token_is_committed(pair: Any, mode: str) ->
     (a threaded stream races into this window): abort() there is a no-op, and the request
     ends by its own reason with every token."""
     eng = RoutedEngine(*pair, ScriptedRouter({}), 256, mode=mode)
-    handles: list[Any] = []
     in_window: list[bool] = []
     finish = eng.sched.finish
 
     def finish_with_a_late_abort(r: Any, reason: str, error: Any = None) -> None:
         if reason == "length":
-            in_window.append(handles[0].abort())
+            # The request's own handle (set when it was made): a threaded worker may get here
+            # before submit() has returned it to this thread.
+            in_window.append(r.handle.abort())
         finish(r, reason, error)
 
     eng.sched.finish = finish_with_a_late_abort  # type: ignore[method-assign]
-    handles.append(eng.submit(make_prompts(1, seed=58)[0], 3))
-    assert handles[0].wait(60)
+    h = eng.submit(make_prompts(1, seed=58)[0], 3)
+    assert h.wait(60)
     assert in_window == [False]
-    assert handles[0].finished_reason == "length" and len(handles[0].tokens) == 3
+    assert h.finished_reason == "length" and len(h.tokens) == 3
     assert eng.stats.aborted == 0
     eng.shutdown()
     check_idle(eng)
