@@ -18,6 +18,7 @@ barrier: every step waits for every parked request's catch-up.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import queue
 import threading
@@ -53,6 +54,7 @@ DISPATCHES = ("tokencache", "naive", "naive-sglang")
 CLOCKS = ("steps", "measured", "gpu")
 TOPOLOGIES = ("one-device", "two-devices")
 _POLL_S = 0.02
+_log = logging.getLogger("tokencache_routing")
 
 
 def _positive_int(name: str, v: object) -> int:
@@ -461,7 +463,25 @@ class RoutedEngine:
                 listeners = list(r.listeners)
             for fn in listeners:
                 assert r.handle is not None
-                fn(r.handle)
+                try:
+                    fn(r.handle)
+                except Exception as e:  # this request's problem: the others are still told
+                    self._listener_failed(r, e)
+
+    def _listener_failed(self, r: Request, error: Exception) -> None:
+        """A listener raised: its request ends with that error at the driver's next iteration
+        (as an abort would, nothing more delivered). Already ending, it keeps its own end."""
+        with r.cond:
+            late = r.finished_reason is not None or r.ending is not None
+            if not late and r.failure is None:
+                r.failure = error
+                r.abort_requested = True
+        if late:
+            _log.warning("listener of finished request %d raised %r", r.rid, error)
+            return
+        driver = self._driver
+        if driver is not None:
+            driver.wake()
 
     # ---------------------------------------------------------------- driving
 

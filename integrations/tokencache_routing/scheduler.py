@@ -184,13 +184,20 @@ class Scheduler:
             raise first
 
     def finish(self, r: Request, reason: str, error: BaseException | None = None) -> None:
-        """r leaves for good: KV released, the caller told."""
+        """r leaves for good: KV released, the caller told. A release that raises ends r with
+        that error (its delivered tokens stay) instead of escaping into the batch being
+        finished: the rest of the batch must still end. Only a BaseException (an interrupt)
+        propagates, after r is marked finished."""
         self._remove(r)
         try:
             self._release(r)
+        except Exception as e:
+            reason, error = "error", error or e
         finally:
             with r.cond:
-                if r.abort_requested and reason != "error":
+                if r.failure is not None and reason != "error":
+                    reason, error = "error", r.failure
+                elif r.abort_requested and reason != "error":
                     reason = "abort"
                 r.finished_reason = reason
                 r.error = error
@@ -203,9 +210,33 @@ class Scheduler:
             self.touched.append(r)
 
     def fail(self, batch: Sequence[Request], error: BaseException) -> None:
+        """Every unfinished request of the batch ends with `error`, even if ending one of them
+        is interrupted (the interrupt is re-raised once all have ended)."""
+        interrupt: BaseException | None = None
         for r in batch:
             if r.finished_reason is None:
-                self.finish(r, "error", error)
+                try:
+                    self.finish(r, "error", error)
+                except BaseException as e:
+                    interrupt = interrupt or e
+        if interrupt is not None:
+            raise interrupt
+
+    def _each(self, batch: Sequence[Request], step: Callable[[int, Request], None]) -> None:
+        """step(i, r) for each unfinished request r = batch[i] of a committed batch. One that
+        raises ends that request alone with its error and the others go on (an interrupt ends
+        the rest of the batch too, then propagates): no request is left outside every list,
+        unreachable by apply_aborts and shutdown, its KV pinned."""
+        for i, r in enumerate(batch):
+            if r.finished_reason is not None:
+                continue
+            try:
+                step(i, r)
+            except Exception as e:
+                self.fail([r], e)
+            except BaseException as e:
+                self.fail(batch[i:], e)
+                raise
 
     def apply_aborts(self) -> None:
         """Aborted requests leave wherever they wait; busy ones once their forward ends."""
@@ -353,17 +384,21 @@ class Scheduler:
             if not isinstance(e, Exception):
                 raise
             return []
-        for r, t, esc in zip(prep.batch, tok.tolist(), escalate, strict=True):
-            if r.finished_reason is not None:
-                continue
-            if esc:  # park: the small token is discarded and never fed
+        tokens = tok.tolist()
+
+        def step(i: int, r: Request) -> None:
+            if escalate[i]:  # park: the small token is discarded and never fed
                 r.kv[SMALL].park(r.seq)
                 r.parked_at = now
                 parked.append(r)
                 st.escalations += 1
-            elif not self.commit_token(r, t, SMALL, now):
+            elif not self.commit_token(r, tokens[i], SMALL, now):
                 self.running.append(r)
-        self.parked += parked
+
+        try:
+            self._each(prep.batch, step)
+        finally:
+            self.parked += parked
         return parked
 
     # ------------------------------------------------------------ large model
@@ -408,12 +443,17 @@ class Scheduler:
         st.catchup_kv_tokens.append(int(prep.kv_lens.sum()))
         st.catchup_shared_prefix.append(prep.shared_prefix)
         back: list[Request] = []
-        for r, t in zip(prep.batch, tokens, strict=True):
-            if r.finished_reason is not None:
-                continue
+
+        def step(i: int, r: Request) -> None:
             r.kv[LARGE].park(r.seq)
-            if not self.commit_token(r, t, LARGE, now):
+            if not self.commit_token(r, tokens[i], LARGE, now):
                 back.append(r)
+
+        try:
+            self._each(prep.batch, step)
+        except BaseException:
+            self.running += back  # the driver never sees them: they step on from here
+            raise
         return back
 
     def abandon(self, prep: PreparedForward, error: BaseException) -> None:

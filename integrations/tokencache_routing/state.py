@@ -91,6 +91,9 @@ class Request:
         self.ending: str | None = None
         self.error: BaseException | None = None
         self.abort_requested = False
+        # A listener of this request raised: it ends with that error at the next iteration
+        # (abort_requested is set with it), its batch-mates unaffected.
+        self.failure: BaseException | None = None
         self.listeners: list[Callable[[RequestHandle], None]] = []
         self.handle: RequestHandle | None = None
         self.submitted_at = 0.0

@@ -404,3 +404,94 @@ def test_sampling_is_reproducible_per_seed(pair: Any) -> None:
     ref, ref_models = reference_generate(*pair, [prompt], 12, bernoulli_decide(router))
     assert greedy.tokens == ref[0] and greedy.models == ref_models[0]
     check_idle(eng)
+
+
+# ---------------------------------------------------------------- finishing one request fails
+
+
+class ReleaseFails:
+    """Scheduler._release that raises for one route key the first time, after releasing (so
+    nothing leaks and the test can check idle_invariant); every other call is the real one."""
+
+    def __init__(self, sched: Any, key: int, error: Exception) -> None:
+        self.real, self.key, self.error, self.raised = sched._release, key, error, False
+        sched._release = self
+
+    def __call__(self, r: Any) -> None:
+        self.real(r)
+        if r.route_key == self.key and not self.raised:
+            self.raised = True
+            raise self.error
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_release_error_ends_that_request_alone(pair: Any, dispatch: str, mode: str) -> None:
+    """Three requests finish in one small step and the release of the middle one raises: it
+    ends with that error (its tokens delivered), the other two end with theirs."""
+    eng = RoutedEngine(*pair, ScriptedRouter({}), 256, dispatch=dispatch, mode=mode)
+    boom = OSError("release failed")
+    ReleaseFails(eng.sched, 1, boom)
+    prompts = make_prompts(3, seed=80, lo=5, hi=5)
+    handles = [eng.submit(p, 4, route_key=i) for i, p in enumerate(prompts)]
+    assert all(h.wait(60) for h in handles)
+    ref, _ = reference_generate(*pair, prompts, 4, lambda rid, pos: False)
+    assert [h.tokens for h in handles] == ref
+    assert [h.finished_reason for h in handles] == ["length", "error", "length"]
+    assert handles[1].error is boom
+    assert eng.stats.failed == 1
+    check_idle(eng)
+    check_exact(eng, pair, BernoulliRouter(0.0))
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_aborts_reach_the_batch_mates_of_a_failed_release(pair: Any, mode: str) -> None:
+    """The batch-mates of a request whose release raised stay in the scheduler's lists: an
+    abort made when that request ends (its listener, before the next step) reaches them,
+    and so does shutdown()."""
+    eng = RoutedEngine(*pair, ScriptedRouter({}), 512, mode=mode)
+    ReleaseFails(eng.sched, 1, OSError("release failed"))
+    eng.start()
+    prompts = make_prompts(4, seed=81, lo=5, hi=5)
+    handles = [eng.submit(p, 3 if i == 1 else 200, route_key=i) for i, p in enumerate(prompts)]
+
+    def abort_the_others(h: Any) -> None:
+        if h.done():
+            assert handles[0].abort() and handles[2].abort()
+
+    handles[1].add_listener(abort_the_others)
+    for i in (0, 1, 2):
+        assert handles[i].wait(60)
+    eng.shutdown()  # request 3 (not in that batch's abort) ends here, or has just finished
+    assert [h.finished_reason for h in handles[:3]] == ["abort", "error", "abort"]
+    assert handles[3].done()
+    check_idle(eng)
+    ref, _ = reference_generate(*pair, prompts[:3], 5, lambda rid, pos: False)
+    for i in (0, 2):
+        got = handles[i].tokens
+        assert 3 <= len(got) <= 4 and got == ref[i][: len(got)]
+
+
+@pytest.mark.parametrize("dispatch,mode", MODES)
+def test_listener_error_ends_that_request_alone(pair: Any, dispatch: str, mode: str) -> None:
+    eng = RoutedEngine(*pair, ScriptedRouter({1: [1], 2: [2]}), 256, dispatch=dispatch, mode=mode)
+    prompts = make_prompts(3, seed=82)
+    handles = [eng.submit(p, 8, route_key=i) for i, p in enumerate(prompts)]
+    boom = ValueError("listener failed")
+    calls: list[int] = []
+
+    def listener(h: Any) -> None:
+        calls.append(len(h.tokens))
+        if len(calls) == 2:
+            raise boom
+
+    handles[1].add_listener(listener)
+    assert all(h.wait(60) for h in handles)
+    ref, ref_models = reference_generate(*pair, prompts, 8, ScriptedRouter({1: [1], 2: [2]}).decide)
+    assert handles[1].finished_reason == "error" and handles[1].error is boom
+    assert 1 <= len(handles[1].tokens) < 8 and handles[1].tokens == ref[1][: len(handles[1].tokens)]
+    for i in (0, 2):
+        assert handles[i].finished_reason == "length"
+        assert (handles[i].tokens, handles[i].models) == (ref[i], ref_models[i])
+    check_idle(eng)
+    eng.router = eng.sched.router = BernoulliRouter(0.0)
+    check_exact(eng, pair, eng.router)
