@@ -378,7 +378,7 @@ class Scheduler:
             prep.commit()
             st.steps += 1
             st.small_tokens += prep.num_tokens
-            tok, escalate = route_step(self.router, out, prep.batch)
+            tok, escalate, failed = route_step(self.router, out, prep.batch)
         except BaseException as e:
             self.abandon(prep, e)
             if not isinstance(e, Exception):
@@ -387,6 +387,8 @@ class Scheduler:
         tokens = tok.tolist()
 
         def step(i: int, r: Request) -> None:
+            if i in failed:  # its row could not be sampled: it ends alone, with that error
+                raise failed[i]
             if escalate[i]:  # park: the small token is discarded and never fed
                 r.kv[SMALL].park(r.seq)
                 r.parked_at = now
@@ -432,7 +434,8 @@ class Scheduler:
         self._unbusy(prep.batch)
         try:
             prep.commit()
-            tokens = sample(out.logits, prep.batch).tolist()
+            drawn, failed = sample(out.logits, prep.batch)
+            tokens = drawn.tolist()
         except BaseException as e:
             self.abandon(prep, e)
             if not isinstance(e, Exception):
@@ -445,6 +448,8 @@ class Scheduler:
         back: list[Request] = []
 
         def step(i: int, r: Request) -> None:
+            if i in failed:
+                raise failed[i]
             r.kv[LARGE].park(r.seq)
             if not self.commit_token(r, tokens[i], LARGE, now):
                 back.append(r)

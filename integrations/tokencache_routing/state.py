@@ -21,29 +21,57 @@ SMALL, LARGE = 0, 1
 FINISH_REASONS = ("length", "stop", "abort", "error")
 
 
+# SamplingParams' ranges. A temperature below MIN_TEMPERATURE samples greedily (argmax), as
+# vLLM and SGLang treat theirs: softmax((l - max) / T) is then one-hot at float32 precision
+# for all but near-ties, and T itself would soon be a subnormal or zero in float32. Above
+# MAX_TEMPERATURE every distribution is uniform at that precision (and T near float32's max
+# would turn a masked -inf logit into NaN). Seeds are what an int64 holds, non-negative
+# (torch.Generator.manual_seed takes [0, 2**64) but other layers, JSON readers among them,
+# stop at 2**63).
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e4
+MAX_SEED = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy (argmax); otherwise softmax(logits / temperature) restricted to
-    the top_p nucleus, drawn from a generator seeded with `seed` (reproducible per request)."""
+    """temperature 0 (or below MIN_TEMPERATURE) is greedy (argmax); otherwise
+    softmax((logits - max) / temperature) restricted to the top_p nucleus (the most likely
+    tokens whose probabilities, before the last one, sum to less than top_p), drawn from a
+    generator seeded with `seed` (reproducible per request; None: a random seed).
+    Refused: temperature not a finite number in [0, MAX_TEMPERATURE] or top_p outside (0, 1]
+    (ValueError), seed not an int (TypeError) or outside [0, MAX_SEED] (ValueError)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        t, p = self.temperature, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        t, p, seed = self.temperature, self.top_p, self.seed
+        number = (int, float, np.integer, np.floating)
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, number)
+            or not (math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE)
         ):
-            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            raise ValueError(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r}"
+            )
+        if isinstance(p, bool) or not isinstance(p, number) or not 0 < p <= 1:  # NaN too
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if seed is not None:
+            if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+                raise TypeError(f"seed must be an int or None, got {seed!r}")
+            if not 0 <= seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, 2**63), got {seed!r}")
+            object.__setattr__(self, "seed", int(seed))
+        # Plain floats from here on: the sampler builds its tensors from them.
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 GREEDY = SamplingParams()
