@@ -453,7 +453,7 @@ def bench_model(
     def shared_decode(bs: int, ctx: int, own: int, prompts: int) -> None:
         batch = shared_decode_batch(bs, ctx, own, perm, config.vocab_size, prompts=prompts)
         hb = HostBatch.from_batch(batch)
-        groups = find_prefix_groups(hb.kv_slots, hb.kv_offsets, hb.q_offsets)
+        groups = find_prefix_groups(hb.kv_slots, batch.kv_offsets.numpy(), hb.q_offsets)
         # The least KV a step must read: each row's own slots, each prompt once per pass of
         # the prefix kernel over its rows.
         shape = PrefixShape.of(config, dtype.itemsize)

@@ -91,10 +91,9 @@ class TorchPagedAttention:
         return {"groups": dims}, arrays
 
     def prepare(self, ctx: ForwardContext) -> dict[str, Any]:
-        kv_off = ctx.kv_offsets
-        kv_lens = kv_off.diff()
+        kv_starts, kv_lens = ctx.kv_starts, ctx.kv_lens
         if ctx.is_decode:
-            slots, valid = _padded_slots(ctx, kv_off[:-1], kv_lens, ctx.kv_width)
+            slots, valid = _padded_slots(ctx, kv_starts, kv_lens, ctx.kv_width)
             return {"slots": slots, "mask": valid[:, None, None, :]}
         q_lens = ctx.q_offsets.diff()
         arrays = ctx.host["arrays"]
@@ -102,7 +101,7 @@ class TorchPagedAttention:
         for gi, (_, qm, lm) in enumerate(ctx.host["groups"]):
             req, q_idx = arrays[2 * gi], arrays[2 * gi + 1]
             lens, qn = kv_lens[req], q_lens[req]
-            slots, valid = _padded_slots(ctx, kv_off[req], lens, lm)
+            slots, valid = _padded_slots(ctx, kv_starts[req], lens, lm)
             # Bottom-right causal: new token j sits at slot-list index kv_len - q_len + j.
             rows = torch.arange(qm, device=ctx.device)
             cols = torch.arange(lm, device=ctx.device)
@@ -181,13 +180,14 @@ class TritonPagedAttention(TorchPagedAttention):
             from .triton_decode import paged_decode
 
             return paged_decode(
-                q, k_cache, v_cache, ctx.kv_slots, ctx.kv_offsets, scale, prefix=ctx.prefix
-            )
+                q, k_cache, v_cache, ctx.kv_slots, ctx.kv_starts, ctx.kv_lens, scale,
+                prefix=ctx.prefix,
+            )  # fmt: skip
         from .triton_varlen import paged_varlen
 
         return paged_varlen(
-            q, k_cache, v_cache, ctx.kv_slots, ctx.q_offsets, ctx.kv_offsets, scale,
-            ctx.max_q_len, prefix=ctx.prefix,
+            q, k_cache, v_cache, ctx.kv_slots, ctx.q_offsets, ctx.kv_starts, ctx.kv_lens, scale,
+            ctx.max_q_len, kv_total=ctx.kv_total, prefix=ctx.prefix,
         )  # fmt: skip
 
 

@@ -38,6 +38,16 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.token_ids.numel()
 
+    @property
+    def kv_starts(self) -> torch.Tensor:
+        """[B] where each request's slot list starts in kv_slots (the kernels' row starts)."""
+        return self.kv_offsets[:-1]
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        """[B] each request's slot-list length."""
+        return self.kv_offsets.diff()
+
     @classmethod
     def from_requests(
         cls,

@@ -9,6 +9,7 @@ needs to read device memory back on the host.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,11 +18,12 @@ import numpy as np
 import torch
 
 from .batch import ForwardBatch
-from .prefix_groups import PrefixGroup, find_prefix_groups, paying_groups, prefix_tables
+from .prefix_groups import PrefixGroup, groups_over_rows, paying_groups, prefix_tables
 from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 
 if TYPE_CHECKING:
     from .kv_pool import KVPool
+    from .slot_table import SlotTable
 
 # Batch sizes a padded decode batch is rounded up to (and the CUDA graphs captured for them).
 DEFAULT_DECODE_BUCKETS: tuple[int, ...] = (
@@ -77,29 +79,68 @@ def decode_kv_width(max_kv_len: int) -> int:
 
 @dataclass
 class HostBatch:
-    """The batch as numpy int64 arrays, possibly with padding rows appended (decode only)."""
+    """The batch as numpy int64 arrays, possibly with padding rows appended (decode only).
+
+    Row i attends over kv_slots[kv_starts[i] : kv_starts[i] + kv_lens[i]], which ends with its
+    new tokens' out_slots. kv_slots is either a slot list concatenated for this forward
+    (ForwardBatch) or the flat host view of the engine's slot table (`table`), whose rows
+    already hold every request's slots: then nothing here is O(context), and the table itself
+    is what the kernels read on the device. `groups`: the shared-prefix candidates the table
+    keeps (SlotTable.prefix_groups), used instead of a search of the slot lists.
+    """
 
     token_ids: np.ndarray
     positions: np.ndarray
     out_slots: np.ndarray
     q_offsets: np.ndarray
     kv_slots: np.ndarray
-    kv_offsets: np.ndarray
+    kv_starts: np.ndarray
+    kv_lens: np.ndarray
     num_real: int  # requests [0, num_real) are real; the rest are padding rows
+    table: SlotTable | None = None
+    groups: list[PrefixGroup] | None = None
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> HostBatch:
         def np64(t: torch.Tensor) -> np.ndarray:
             return np.asarray(t.detach().cpu().numpy(), dtype=np.int64).reshape(-1)
 
+        kv_offsets = np64(batch.kv_offsets)
         return cls(
             token_ids=np64(batch.token_ids),
             positions=np64(batch.positions),
             out_slots=np64(batch.out_slots),
             q_offsets=np64(batch.q_offsets),
             kv_slots=np64(batch.kv_slots),
-            kv_offsets=np64(batch.kv_offsets),
+            kv_starts=kv_offsets[:-1],
+            kv_lens=np.diff(kv_offsets),
             num_real=batch.num_requests,
+        )
+
+    @classmethod
+    def from_table(
+        cls,
+        table: SlotTable,
+        rows: np.ndarray,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        out_slots: np.ndarray,
+        q_offsets: np.ndarray,
+        kv_lens: np.ndarray,
+    ) -> HostBatch:
+        """A forward over slot-table rows whose entries [0, kv_lens[i]) already hold each
+        request's slots, this forward's new ones included (SlotTable.scatter)."""
+        return cls(
+            token_ids=token_ids,
+            positions=positions,
+            out_slots=out_slots,
+            q_offsets=q_offsets,
+            kv_slots=table.flat_host,
+            kv_starts=table.starts(rows),
+            kv_lens=kv_lens,
+            num_real=len(rows),
+            table=table,
+            groups=table.prefix_groups(rows, kv_lens - np.diff(q_offsets)),
         )
 
     @property
@@ -111,22 +152,28 @@ class HostBatch:
         return np.diff(self.q_offsets)
 
     @property
-    def kv_lens(self) -> np.ndarray:
-        return np.diff(self.kv_offsets)
+    def is_decode(self) -> bool:
+        return int(self.q_offsets[-1]) == self.num_requests
 
     def shared_prefix_len(self, min_len: int = MIN_SHARED_PREFIX) -> int:
         """The real rows' common slot-list prefix (see shared_prefix_len); padding excluded."""
-        return shared_prefix_len(
-            self.kv_slots, self.kv_offsets, self.q_offsets, self.num_real, min_len
-        )
+        n = self.num_real
+        offsets = np.concatenate(([0], np.cumsum(self.kv_lens[:n])))
+        starts, lens = self.kv_starts[:n].tolist(), self.kv_lens[:n].tolist()
+        rows = [self.kv_slots[s : s + k] for s, k in zip(starts, lens, strict=True)]
+        flat = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        return shared_prefix_len(flat, offsets, self.q_offsets, n, min_len)
 
     def prefix_groups(self, shape: PrefixShape) -> list[PrefixGroup]:
         """The groups of real rows whose common slot-list prefix the shared-prefix kernel of
-        `shape` reads once, where that pays (prefix_groups.paying_groups); padding rows excluded."""
+        `shape` reads once, where that pays (prefix_groups.paying_groups); padding rows excluded.
+        From the table's kept facts when there is one, else a search of the slot lists."""
         n = self.num_real
-        groups = find_prefix_groups(self.kv_slots, self.kv_offsets, self.q_offsets, n)
-        decode = int(self.q_offsets[n]) == n
-        return paying_groups(groups, self.q_offsets, shape, decode)
+        groups = self.groups
+        if groups is None:
+            caps = self.kv_lens[:n] - self.q_lens[:n]
+            groups = groups_over_rows(self.kv_slots, self.kv_starts[:n], caps)
+        return paying_groups(groups, self.q_offsets, shape, self.is_decode)
 
     def padded(self, rows: int, scratch_slot: int) -> HostBatch:
         """Appends decode padding rows up to `rows`: token 0 at position 0, writing and reading
@@ -138,14 +185,21 @@ class HostBatch:
             return self
         zeros, scratch = np.zeros(n, np.int64), np.full(n, scratch_slot, np.int64)
         ones = np.arange(1, n + 1, dtype=np.int64)
-        return HostBatch(
+        kv_slots = self.kv_slots
+        if self.table is not None:
+            scratch_start = self.table.scratch_start  # the table's scratch row
+        else:
+            scratch_start = len(kv_slots)
+            kv_slots = np.concatenate((kv_slots, [scratch_slot]))
+        return dataclasses.replace(
+            self,
             token_ids=np.concatenate((self.token_ids, zeros)),
             positions=np.concatenate((self.positions, zeros)),
             out_slots=np.concatenate((self.out_slots, scratch)),
             q_offsets=np.concatenate((self.q_offsets, self.q_offsets[-1] + ones)),
-            kv_slots=np.concatenate((self.kv_slots, scratch)),
-            kv_offsets=np.concatenate((self.kv_offsets, self.kv_offsets[-1] + ones)),
-            num_real=self.num_real,
+            kv_slots=kv_slots,
+            kv_starts=np.concatenate((self.kv_starts, np.full(n, scratch_start, np.int64))),
+            kv_lens=np.concatenate((self.kv_lens, np.ones(n, np.int64))),
         )
 
 
@@ -197,11 +251,15 @@ class ForwardContext:
     token_ids: torch.Tensor  # [T] int64 (all index tensors live on the model device)
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T]
+    # Row i attends over kv_slots[kv_starts[i] : kv_starts[i] + kv_lens[i]]: a slot list made
+    # for this forward, or the flat slot table (its rows hold every request's slots).
     kv_slots: torch.Tensor  # [S]
     q_offsets: torch.Tensor  # [B + 1]
-    kv_offsets: torch.Tensor  # [B + 1]
+    kv_starts: torch.Tensor  # [B]
+    kv_lens: torch.Tensor  # [B]
     last_token: torch.Tensor  # [B] index of each row's last new token in [0, T)
     scratch_slot: int  # pool row that padding tokens write (see KVPool.scratch_slot)
+    kv_total: int = 0  # sum of kv_lens: the slots the rows read (a host fact for grids)
     # Shared-prefix attention (None: off): groups of rows whose common slot-list prefix is
     # read once per tile instead of once per row.
     prefix: SharedPrefix | None = None
@@ -239,7 +297,7 @@ class ForwardContext:
         if pad_rows_to is not None:
             hb = hb.padded(pad_rows_to, scratch_slot)
         q_lens, kv_lens = hb.q_lens, hb.kv_lens
-        is_decode = bool((q_lens == 1).all())
+        is_decode = hb.is_decode
         max_kv = int(kv_lens.max())
         facts: dict[str, Any] = {}
         extra: list[np.ndarray] = []
@@ -249,18 +307,29 @@ class ForwardContext:
             hb.token_ids,
             hb.positions,
             hb.out_slots,
-            hb.kv_slots,
             hb.q_offsets,
-            hb.kv_offsets,
+            hb.kv_starts,
+            kv_lens,
             hb.q_offsets[1:] - 1,
         ]
+        writes = hb.table.take_writes() if hb.table is not None else None
+        if hb.table is None:
+            base.append(hb.kv_slots)  # a slot list made for this forward travels with it
+        elif writes is not None:
+            base += writes  # the table's new entries, applied on the device below
         groups = hb.prefix_groups(shared_prefix) if shared_prefix is not None else []
         tables = []
         if groups:
             assert shared_prefix is not None
-            tables = prefix_tables(groups, hb.q_offsets, hb.kv_offsets, shared_prefix).arrays()
+            tables = prefix_tables(groups, hb.q_offsets, hb.kv_starts, shared_prefix).arrays()
         moved = to_device(base + tables + list(extra), device)
         facts["arrays"] = moved[len(base) + len(tables) :]
+        if hb.table is None:
+            kv_slots = moved[7]
+        else:
+            kv_slots = hb.table.flat
+            if writes is not None:
+                kv_slots.index_copy_(0, moved[7], moved[8])
         prefix = None
         if groups:
             assert shared_prefix is not None
@@ -284,11 +353,13 @@ class ForwardContext:
             token_ids=moved[0],
             positions=moved[1],
             out_slots=moved[2],
-            kv_slots=moved[3],
-            q_offsets=moved[4],
-            kv_offsets=moved[5],
+            kv_slots=kv_slots,
+            q_offsets=moved[3],
+            kv_starts=moved[4],
+            kv_lens=moved[5],
             last_token=moved[6],
             scratch_slot=scratch_slot,
+            kv_total=int(kv_lens.sum()),
             prefix=prefix,
             host=facts,
         )

@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from .context import (
@@ -41,8 +41,17 @@ if TYPE_CHECKING:
     from .attention import TorchPagedAttention
     from .kv_pool import KVPool
     from .model import CausalLM, ForwardOutput
+    from .slot_table import SlotTable
 
 DEFAULT_KV_CAPACITY = 256 * 8192  # slot-list entries of one decode step (shared ones count)
+
+
+@dataclass(frozen=True)
+class StaticStep:
+    """A decode step loaded into a runner's static buffers, ready to replay."""
+
+    num_real: int
+    key: tuple[int, int, int, int]  # (rows, width, groups, slot source): the graph's key
 
 
 class DecodeGraphRunner:
@@ -81,14 +90,17 @@ class DecodeGraphRunner:
         self._out_slots = i64(torch.zeros(n))
         self._q_offsets = i64(torch.arange(n + 1))  # decode: one token per row, always
         self._last_token = i64(torch.arange(n))
-        self._kv_offsets = i64(torch.zeros(n + 1))
+        self._kv_starts = i64(torch.zeros(n))
+        self._kv_lens = i64(torch.ones(n))
+        # A step's slot list when it brings one (ForwardBatch); a slot table is read in place.
         self._kv_slots = i64(torch.zeros(self.kv_capacity))
         # The step's shared-prefix tables (shared-prefix graphs; prefix_groups.PrefixTables).
         self._row_skip = i64(torch.zeros(n))
         self._tiles = i64(torch.zeros(max_tiles(self.prefix_shape, n) * TILE_FIELDS))
         self._prefix_tokens = i64(torch.zeros(n))
         self._reset()
-        self._graphs: dict[tuple[int, int, int], tuple[Any, ForwardOutput]] = {}
+        self._graphs: dict[tuple[int, int, int, int], tuple[Any, ForwardOutput]] = {}
+        self._table: SlotTable | None = None  # the slot table the table-keyed graphs read
         self._mempool: Any = None
         self.replays = 0  # decode steps served by a graph (tests and benches read it)
 
@@ -105,7 +117,8 @@ class DecodeGraphRunner:
         self._tokens.zero_()
         self._positions.zero_()
         self._out_slots.fill_(scratch)
-        self._kv_offsets.copy_(torch.arange(self.max_rows + 1))
+        self._kv_starts.copy_(torch.arange(self.max_rows))
+        self._kv_lens.fill_(1)
         self._kv_slots[: self.max_rows].fill_(scratch)
         self._row_skip.zero_()
         self._tiles.zero_()  # no tiles: the prefix kernel writes nothing
@@ -115,15 +128,38 @@ class DecodeGraphRunner:
         return decode_bucket(batch, self.buckets)
 
     def fits(self, hb: HostBatch) -> bool:
-        """Decode batch within the largest bucket whose padded slot list fits the buffer."""
+        """Decode batch within the largest bucket; a step bringing its own slot list needs it
+        to fit the buffer once padded (a slot table is read where it is)."""
         rows = self.bucket(hb.num_requests)
-        if rows is None or not bool((hb.q_lens == 1).all()):
+        if rows is None or not hb.is_decode:
             return False
-        return len(hb.kv_slots) + rows - hb.num_requests <= self.kv_capacity
+        if hb.table is not None:
+            return hb.table.device == self._tokens.device
+        return len(hb.kv_slots) + 1 <= self.kv_capacity
 
-    def static_context(self, rows: int, kv_width: int, groups: int = 0) -> ForwardContext:
+    def _slot_source(self, table: SlotTable | None) -> int:
+        """Which slot buffer a graph reads, part of its key: 0, the runner's own (slot lists
+        copied in per step); else the table's storage generation (a table that grew has moved:
+        graphs over its old storage are dropped)."""
+        if table is None:
+            return 0
+        if table is not self._table:
+            self._graphs = {k: v for k, v in self._graphs.items() if k[3] == 0}
+            self._table = table
+        return table.generation
+
+    def _slot_buffer(self, source: int) -> torch.Tensor:
+        if source == 0:
+            return self._kv_slots
+        assert self._table is not None and self._table.generation == source
+        return self._table.flat
+
+    def static_context(
+        self, rows: int, kv_width: int, groups: int = 0, source: int = 0
+    ) -> ForwardContext:
         """A context whose tensors are (views of) the static buffers, for `rows` rows; with the
-        shared-prefix path for `groups` groups when > 0 (their tables come from buffers)."""
+        shared-prefix path for `groups` groups when > 0 (their tables come from buffers); over
+        the runner's slot buffer (source 0) or the slot table's (_slot_source)."""
         prefix = None
         if groups:
             tiles = max_tiles(self.prefix_shape, rows, groups) * TILE_FIELDS
@@ -143,9 +179,10 @@ class DecodeGraphRunner:
             token_ids=self._tokens[:rows],
             positions=self._positions[:rows],
             out_slots=self._out_slots[:rows],
-            kv_slots=self._kv_slots,
+            kv_slots=self._slot_buffer(source),
             q_offsets=self._q_offsets[: rows + 1],
-            kv_offsets=self._kv_offsets[: rows + 1],
+            kv_starts=self._kv_starts[:rows],
+            kv_lens=self._kv_lens[:rows],
             last_token=self._last_token[:rows],
             scratch_slot=self.pool.scratch_slot,
             prefix=prefix,
@@ -154,66 +191,95 @@ class DecodeGraphRunner:
     def _load(self, hb: HostBatch, tables: PrefixTables | None) -> None:
         """One host-to-device copy of the padded step, then device-side copies into the
         buffers (rows past the bucket and slot-list entries past its end are never read)."""
-        rows, s = hb.num_requests, len(hb.kv_slots)
-        arrays = [hb.token_ids, hb.positions, hb.out_slots, hb.kv_offsets, hb.kv_slots]
+        rows = hb.num_requests
+        arrays = [hb.token_ids, hb.positions, hb.out_slots, hb.kv_starts, hb.kv_lens]
         if tables is not None:
             arrays += tables.arrays()
+        writes = None
+        if hb.table is None:
+            arrays.append(hb.kv_slots)  # the step's own slot list, copied into the buffer
+        else:
+            writes = hb.table.take_writes()
+            if writes is not None:
+                arrays += writes  # the table's new entries (O(new tokens))
         moved = to_device(arrays, self._tokens.device)
         self._tokens[:rows].copy_(moved[0])
         self._positions[:rows].copy_(moved[1])
         self._out_slots[:rows].copy_(moved[2])
-        self._kv_offsets[: rows + 1].copy_(moved[3])
-        self._kv_slots[:s].copy_(moved[4])
+        self._kv_starts[:rows].copy_(moved[3])
+        self._kv_lens[:rows].copy_(moved[4])
+        at = 5
         if tables is not None:
             self._row_skip[:rows].copy_(moved[5])
             self._tiles[: moved[6].numel()].copy_(moved[6])
             self._prefix_tokens[:rows].copy_(moved[7])
+            at = 8
+        if hb.table is None:
+            self._kv_slots[: moved[at].numel()].copy_(moved[at])
+        elif writes is not None:
+            hb.table.flat.index_copy_(0, moved[at], moved[at + 1])
 
     @torch.inference_mode()
     def run(self, hb: HostBatch) -> ForwardOutput:
         """One decode step of hb's requests through the padded static path (graph replay when
         use_graphs). Returns the real rows' outputs (copies, not the static buffers)."""
+        return self.execute(self.prepare(hb))
+
+    def prepare(self, hb: HostBatch) -> StaticStep:
+        """The step's host work: padding, prefix tables, one copy into the static buffers."""
         if not self.fits(hb):
             raise ValueError("decode batch does not fit the graph runner (see fits)")
         b = hb.num_requests
         rows = self.bucket(b)
         assert rows is not None
         hbp = hb.padded(rows, self.pool.scratch_slot)
-        width = decode_kv_width(int(np.diff(hbp.kv_offsets).max()))
+        width = decode_kv_width(int(hbp.kv_lens.max()))
         groups = hbp.prefix_groups(self.prefix_shape) if self.backend.shares_prefix else []
         n = len(groups)
         tables = None
         if groups:
             tiles = max_tiles(self.prefix_shape, rows, n)
-            tables = prefix_tables(groups, hbp.q_offsets, hbp.kv_offsets, self.prefix_shape, tiles)
+            tables = prefix_tables(groups, hbp.q_offsets, hbp.kv_starts, self.prefix_shape, tiles)
+        source = self._slot_source(hb.table)
         self._load(hbp, tables)
+        return StaticStep(b, self._key(rows, width, n, source))
+
+    @torch.inference_mode()
+    def execute(self, step: StaticStep) -> ForwardOutput:
+        """The step's device work: the graph's replay (or the static path run eagerly)."""
+        rows, width, n, source = step.key
         if self.use_graphs:
-            key = self._key(rows, width, n)
-            graph, out = self._graphs.get(key) or self._capture(*key)
+            graph, out = self._graphs.get(step.key) or self._capture(*step.key)
             graph.replay()
             self.replays += 1
         else:
             out = self.model.forward_context(
-                self.static_context(rows, width, n), self.pool, self.backend
+                self.static_context(rows, width, n, source), self.pool, self.backend
             )
+        b = step.num_real
         return dataclasses.replace(
             out, logits=out.logits[:b].clone(), hidden=out.hidden[:b].clone()
         )
 
-    def _key(self, rows: int, width: int, groups: int = 0) -> tuple[int, int, int]:
+    def _key(
+        self, rows: int, width: int, groups: int = 0, source: int = 0
+    ) -> tuple[int, int, int, int]:
         """A graph per bucket, per gather width on the torch path, per prefix group count
         (0: without the shared-prefix kernel, so a batch without a shared prefix does not pay
-        for it; g: a tile table for g groups, so one group does not pay for eight)."""
-        return (rows, width if self.width_keyed else 0, groups)
+        for it; g: a tile table for g groups, so one group does not pay for eight), per slot
+        buffer (_slot_source)."""
+        return (rows, width if self.width_keyed else 0, groups, source)
 
-    def _capture(self, rows: int, width: int, groups: int = 0) -> tuple[Any, ForwardOutput]:
+    def _capture(
+        self, rows: int, width: int, groups: int = 0, source: int = 0
+    ) -> tuple[Any, ForwardOutput]:
         """Warm-up run (Triton compiles, cuBLAS plans) on a side stream, then the capture. Both
         run on whatever the buffers hold: the current step or padding rows, so the only K/V
         writes are the ones the replay makes anyway."""
         model, pool, backend = self.model, self.pool, self.backend
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
-        ctx_args = (rows, width, groups)  # the prefix tables are in their buffers
+        ctx_args = (rows, width, groups, source)  # the prefix tables are in their buffers
         with torch.cuda.stream(stream):
             model.forward_context(self.static_context(*ctx_args), pool, backend)
         torch.cuda.current_stream().wait_stream(stream)
@@ -224,7 +290,7 @@ class DecodeGraphRunner:
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             out = model.forward_context(self.static_context(*ctx_args), pool, backend)
         entry = (graph, out)
-        self._graphs[self._key(rows, width, groups)] = entry
+        self._graphs[self._key(rows, width, groups, source)] = entry
         return entry
 
     @torch.inference_mode()

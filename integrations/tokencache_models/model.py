@@ -16,7 +16,7 @@ from .attention import TorchPagedAttention, make_attention_backend, triton_avail
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .context import DEFAULT_DECODE_BUCKETS, ForwardContext, HostBatch, decode_bucket
-from .graphs import DecodeGraphRunner
+from .graphs import DecodeGraphRunner, StaticStep
 from .kv_pool import KVPool
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
 from .prefix_plan import PrefixShape
@@ -26,6 +26,18 @@ from .prefix_plan import PrefixShape
 class ForwardOutput:
     logits: torch.Tensor  # [B, vocab] next-token logits after each request's last new token
     hidden: torch.Tensor  # [B, hidden] final-norm output of each request's last new token
+
+
+@dataclass
+class PreparedStep:
+    """A forward whose host work is done (CausalLM.prepare): an eager context, or a decode
+    step loaded into a graph runner's static buffers."""
+
+    pool: KVPool
+    backend: TorchPagedAttention
+    context: ForwardContext | None = None
+    static: StaticStep | None = None
+    runner: DecodeGraphRunner | None = None
 
 
 class Attention(nn.Module):
@@ -194,7 +206,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
-        batch: ForwardBatch,
+        batch: ForwardBatch | HostBatch,
         pool: KVPool,
         attention_backend: str | None = None,
         context: ForwardContext | None = None,
@@ -205,17 +217,32 @@ class CausalLM(nn.Module):
         CUDA graph when decode_graphs is on; everything else runs eagerly. A prebuilt context
         (build_context) may be passed instead of being built here.
         """
-        backend = self.attention(attention_backend)
         if context is not None:
-            return self.forward_context(context, pool, backend)
-        hb = HostBatch.from_batch(batch)
+            return self.forward_context(context, pool, self.attention(attention_backend))
+        return self.execute(self.prepare(batch, pool, attention_backend))
+
+    def prepare(
+        self, batch: ForwardBatch | HostBatch, pool: KVPool, attention_backend: str | None = None
+    ) -> PreparedStep:
+        """A forward's host work (lengths, padding, prefix tables, the one copy to the device):
+        what execute() then runs is device work only."""
+        backend = self.attention(attention_backend)
+        hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
         pad_to = None
-        if bool((hb.q_lens == 1).all()) and self.pads_decode():
+        if hb.is_decode and self.pads_decode():
             pad_to = decode_bucket(hb.num_requests, self.decode_buckets)
             runner = self.graph_runner(pool, backend) if self.decode_graphs else None
             if runner is not None and pad_to is not None and runner.fits(hb):
-                return runner.run(hb)
-        return self.forward_context(self.build_context(hb, pool, backend, pad_to), pool, backend)
+                return PreparedStep(pool, backend, static=runner.prepare(hb), runner=runner)
+        return PreparedStep(pool, backend, context=self.build_context(hb, pool, backend, pad_to))
+
+    def execute(self, step: PreparedStep) -> ForwardOutput:
+        """A prepared forward's device work (graph replay or the eager body)."""
+        if step.runner is not None:
+            assert step.static is not None
+            return step.runner.execute(step.static)
+        assert step.context is not None
+        return self.forward_context(step.context, step.pool, step.backend)
 
     @torch.inference_mode()
     def forward_context(

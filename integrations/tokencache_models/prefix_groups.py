@@ -133,17 +133,31 @@ def find_prefix_groups(
     min_len: int = MIN_SHARED_PREFIX,
     max_groups: int = MAX_PREFIX_GROUPS,
 ) -> list[PrefixGroup]:
-    """Disjoint groups of >= 2 of the first num_real rows (default all) whose slot lists share
-    >= min_len (at least 1) leading entries, each prefix capped so the rows' new tokens come
-    after it (P <= kv_len - q_len). Among rows with the same first slot, the first row left
-    anchors a group of the rows that keep (members - 1) x P largest, unless the group without
-    it saves more (an anchor that diverges early) or the members sharing more than P with it
-    do, grouped apart from the others (nested prompts: rows on a prompt that extends another);
-    the rest try again. The max_groups saving the most are kept, ordered by their first row."""
-    min_len = max(min_len, 1)
+    """groups_over_rows over the first num_real rows (default all) of a concatenated slot list
+    with offsets kv_offsets, each prefix capped so the rows' new tokens come after it
+    (P <= kv_len - q_len)."""
     n = len(kv_offsets) - 1 if num_real is None else num_real
-    starts = kv_offsets[:n]
     caps = np.diff(kv_offsets[: n + 1]) - np.diff(q_offsets[: n + 1])
+    return groups_over_rows(kv_slots, kv_offsets[:n], caps, min_len, max_groups)
+
+
+def groups_over_rows(
+    kv_slots: np.ndarray,
+    starts: np.ndarray,
+    caps: np.ndarray,
+    min_len: int = MIN_SHARED_PREFIX,
+    max_groups: int = MAX_PREFIX_GROUPS,
+) -> list[PrefixGroup]:
+    """Disjoint groups of >= 2 rows (row i's slots at kv_slots[starts[i]:], caps[i] of them
+    eligible) whose slot lists share >= min_len (at least 1) leading entries. Among rows with
+    the same first slot, the first row left anchors a group of the rows that keep
+    (members - 1) x P largest, unless the group without it saves more (an anchor that diverges
+    early) or the members sharing more than P with it do, grouped apart from the others
+    (nested prompts: rows on a prompt that extends another); the rest try again. The
+    max_groups saving the most are kept, ordered by their first row. A search of the slot
+    lists, O(rows x P): the engine's slot table keeps the same facts per row instead
+    (SlotTable.prefix_groups)."""
+    min_len = max(min_len, 1)
     eligible = np.flatnonzero(caps >= min_len)
     if len(eligible) < 2:
         return []
@@ -201,12 +215,13 @@ def max_tiles(shape: PrefixShape, num_tokens: int, groups: int = MAX_PREFIX_GROU
 def prefix_tables(
     groups: Sequence[PrefixGroup],
     q_offsets: np.ndarray,
-    kv_offsets: np.ndarray,
+    kv_starts: np.ndarray,
     shape: PrefixShape,
     num_tiles: int | None = None,
 ) -> PrefixTables:
-    """The tile table for groups over a batch with q_offsets / kv_offsets (padding rows
-    included: they fall outside every group); num_tiles pads it with empty tiles and the token
+    """The tile table for groups over a batch with q_offsets and rows starting at kv_starts
+    in the slot buffer (a slot list's kv_offsets serve as well; padding rows included: they
+    fall outside every group); num_tiles pads it with empty tiles and the token
     list to every query token's length (a CUDA graph's fixed grid and buffer), None keeps both
     exact."""
     rows = len(q_offsets) - 1
@@ -224,7 +239,7 @@ def prefix_tables(
         first = np.cumsum(lens) - lens
         toks = np.repeat(starts - first, lens) + np.arange(int(lens.sum()), dtype=np.int64)
         token_parts.append(toks)
-        anchor = int(kv_offsets[g.rows[0]])
+        anchor = int(kv_starts[g.rows[0]])
         for t0 in range(0, len(toks), per_tile):
             tiles.append((begin + t0, min(per_tile, len(toks) - t0), anchor, g.length))
         begin += len(toks)

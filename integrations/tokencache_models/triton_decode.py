@@ -33,7 +33,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     K,
     V,
     Slots,
-    KvOff,
+    KvStart,
+    KvLen,
     Skip,
     Acc,
     M,
@@ -63,8 +64,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    start = tl.load(KvOff + b)
-    end = tl.load(KvOff + b + 1)
+    start = tl.load(KvStart + b)
+    end = start + tl.load(KvLen + b)
     if SKIP:
         # A row keeps at least its own new token's slot.
         row_skip = tl.load(Skip + b)
@@ -128,13 +129,15 @@ def paged_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_slots: torch.Tensor,
-    kv_offsets: torch.Tensor,
+    kv_starts: torch.Tensor,
+    kv_lens: torch.Tensor,
     scale: float,
     block_n: int | None = None,
     prefix: SharedPrefix | None = None,
 ) -> torch.Tensor:
-    """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (last dim contiguous); kv_slots: flat slot
-    lists; kv_offsets: [B + 1] (int32 or int64) on q's device; block_n: None for kv_block's
+    """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (last dim contiguous); row b's slots are
+    kv_slots[kv_starts[b] : kv_starts[b] + kv_lens[b]] (a flat slot list or the slot table;
+    int32 or int64, on q's device); block_n: None for kv_block's
     choice; prefix: None, or the forward's shared-prefix tables (HostBatch.prefix_groups): each
     group's prefix is read once for its rows by the shared-prefix kernel and skipped here.
     Returns [B, H, D] in q's dtype.
@@ -157,8 +160,9 @@ def paged_decode(
         k_cache,
         v_cache,
         kv_slots,
-        kv_offsets,
-        kv_offsets if prefix is None else prefix.row_skip,
+        kv_starts,
+        kv_lens,
+        kv_lens if prefix is None else prefix.row_skip,
         acc,
         m,
         lse,

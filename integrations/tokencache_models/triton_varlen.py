@@ -55,7 +55,8 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     L,
     Slots,
     QOff,
-    KvOff,
+    KvStart,
+    KvLen,
     Skip,
     sm_scale,
     splits,
@@ -90,8 +91,8 @@ def _paged_varlen_kernel(  # type: ignore[no-untyped-def]
     kvh = tl.program_id(2)
     q0 = tl.load(QOff + b)
     q_len = tl.load(QOff + b + 1) - q0
-    kv0 = tl.load(KvOff + b)
-    kv_len = tl.load(KvOff + b + 1) - kv0
+    kv0 = tl.load(KvStart + b)
+    kv_len = tl.load(KvLen + b)
     if SKIP:
         # Causal limits are relative to the slot list's end, so dropping its head is enough.
         row_skip = tl.load(Skip + b)
@@ -175,18 +176,22 @@ def paged_varlen(
     v_cache: torch.Tensor,
     kv_slots: torch.Tensor,
     q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
+    kv_starts: torch.Tensor,
+    kv_lens: torch.Tensor,
     scale: float,
     max_q_len: int,
     rows: int | None = None,
     block_n: int | None = None,
     *,
+    kv_total: int | None = None,
     splits: int | None = None,
     prefix: SharedPrefix | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (request i's new tokens at q_offsets[i]:q_offsets[i+1]); k_cache/v_cache:
-    [slots, KVH, D]; kv_slots / kv_offsets: each request's slot list, ending with its new tokens'
-    slots; max_q_len: host-known max of the q lengths (sets the grid); rows / block_n: the tile
+    [slots, KVH, D]; request i's slot list is kv_slots[kv_starts[i] : kv_starts[i] + kv_lens[i]]
+    (a flat slot list or the slot table), ending with its new tokens' slots; kv_total: the
+    host-known sum of kv_lens (None: kv_slots.numel(), right for a concatenated list);
+    max_q_len: host-known max of the q lengths (sets the grid); rows / block_n: the tile
     (None: 64 x 64, or 32 x 32 for fp32 caches, whose IEEE dots spill at 64 x 64); splits: force the
     split-KV count (None: varlen_grid's choice); prefix: None, or the forward's shared-prefix
     tables with their host facts (HostBatch.prefix_groups): each group's prefix is read once for
@@ -197,7 +202,8 @@ def paged_varlen(
     bsz = q_offsets.numel() - 1
     block_n = block_n or kv_block(k_cache.dtype)
     rows = rows or kv_block(k_cache.dtype)  # the same rule: 64, or 32 for fp32's IEEE dots
-    kv_read = kv_slots.numel() - ((prefix.skipped or 0) if prefix is not None else 0)
+    kv_total = kv_slots.numel() if kv_total is None else kv_total
+    kv_read = kv_total - ((prefix.skipped or 0) if prefix is not None else 0)
     rows, tokens, m_blocks, auto = varlen_grid(
         bsz, max_q_len, heads, kv_heads, kv_read, rows, block_n
     )
@@ -227,8 +233,9 @@ def paged_varlen(
         lse,
         kv_slots,
         q_offsets,
-        kv_offsets,
-        kv_offsets if prefix is None else prefix.row_skip,
+        kv_starts,
+        kv_lens,
+        kv_lens if prefix is None else prefix.row_skip,
         scale,
         splits,
         extra,

@@ -53,7 +53,8 @@ def test_context_is_built_on_the_host_with_padding_rows() -> None:
     ctx = ForwardContext.build(batch, torch.device("cpu"), scratch_slot=99, pad_rows_to=4)
     assert ctx.is_decode and ctx.num_requests == 4 and ctx.num_real == 3
     assert ctx.out_slots.tolist() == [5, 6, 7, 99]
-    assert ctx.kv_offsets.tolist() == [0, 3, 5, 6, 7]
+    # Rows over the step's slot list; the padding row reads the one scratch entry after it.
+    assert ctx.kv_starts.tolist() == [0, 3, 5, 6] and ctx.kv_lens.tolist() == [3, 2, 1, 1]
     assert ctx.kv_slots.tolist() == [0, 1, 5, 2, 6, 7, 99]
     assert ctx.last_token.tolist() == [0, 1, 2, 3]
     assert ctx.kv_width == 64 and ctx.max_q_len == 1
@@ -134,7 +135,7 @@ def test_meta_check_catches_a_host_sync(monkeypatch: pytest.MonkeyPatch) -> None
     prepare = backend.prepare
 
     def syncing_prepare(ctx: ForwardContext) -> object:
-        int(ctx.kv_offsets.diff().max())  # what the old backend did per forward
+        int(ctx.kv_lens.max())  # what the old backend did per forward
         return prepare(ctx)
 
     monkeypatch.setattr(backend, "prepare", syncing_prepare)

@@ -452,6 +452,7 @@ from transformers import AutoModelForCausalLM
 from tokencache_models import ForwardBatch, GreedyRunner, load_hf_checkpoint
 
 path, prompts, expected = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+system, tails, expected_shared = (json.loads(a) for a in sys.argv[4:7])
 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 model = load_hf_checkpoint(path, attention_backend="triton")
 ref = load_hf_checkpoint(path, attention_backend="torch")
@@ -470,12 +471,40 @@ for r, ids in zip(runners, rids):
     r.extend(ids[0], [7, 8, 9])
 a, b = (r.step(ids) for r, ids in zip(runners, rids))
 assert (a.logits - b.logits).abs().max().item() < 1e-4
+
+# Four requests on one 160-token system prompt (long enough to pay at fp32): their tails, then
+# decode steps through the shared-prefix kernel (GQA group 3, padded); counted, so the test
+# knows it ran in every decode step.
+import tokencache_models.triton_decode as td
+import tokencache_models.triton_varlen as tv
+
+launches = []
+for mod in (td, tv):
+    real = mod.shared_prefix_partials
+    def counted(*args, _real=real, **kwargs):
+        launches.append(1)
+        return _real(*args, **kwargs)
+    mod.shared_prefix_partials = counted
+shared = []
+for r in runners:
+    root = r.add_request(system)
+    r.step([root])
+    shared.append([r.add_request(system + t, root, len(system)) for t in tails])
+for step in range(len(expected_shared[0])):
+    a, b = (r.step(ids) for r, ids in zip(runners, shared))
+    err = (a.logits - b.logits).abs().max().item()
+    assert err < 1e-4, ("shared", step, err)
+decodes = len(expected_shared[0]) - 1
+assert len(launches) >= decodes * model.config.num_hidden_layers, launches
+got = [list(runners[0].requests[i].generated) for i in shared[0]]
+assert got == expected_shared, (got, expected_shared)
 print("OK")
 """
 
 
 def test_triton_and_fused_paths_in_interpreter(qwen2_ckpt: Qwen2Checkpoint) -> None:
-    """Triton decode / varlen attention and the fusions on one tiny shape, token for token
+    """Triton decode / varlen / shared-prefix attention and the fusions on one tiny shape
+    (GQA group 3: padded in the kernels, as R1-Distill-Qwen's 6 and 5 are), token for token
     against transformers' greedy generation and within 1e-4 of the torch path each step."""
     pytest.importorskip("triton")
     if qwen2_ckpt.shape != "untied-gqa3-linear":
@@ -483,6 +512,9 @@ def test_triton_and_fused_paths_in_interpreter(qwen2_ckpt: Qwen2Checkpoint) -> N
     prompts = _prompts(320, [5, 12], seed=9)
     n = 6
     expected = [hf_greedy(qwen2_ckpt.hf_model, p, n) for p in prompts]
+    (system,) = _prompts(320, [160], seed=10)
+    tails = [[i + 1] * (i + 1) for i in range(4)]
+    expected_shared = [hf_greedy(qwen2_ckpt.hf_model, system + t, 3) for t in tails]
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
@@ -497,6 +529,9 @@ def test_triton_and_fused_paths_in_interpreter(qwen2_ckpt: Qwen2Checkpoint) -> N
             str(qwen2_ckpt.path),
             json.dumps(prompts),
             json.dumps(expected),
+            json.dumps(system),
+            json.dumps(tails),
+            json.dumps(expected_shared),
         ],
         check=False,
         env=env,

@@ -273,7 +273,7 @@ def test_context_carries_the_groups_to_the_device() -> None:
     assert ctx.prefix.skipped == 4 * 300 + 4 * 250 and ctx.prefix.longest == 300
     assert ctx.prefix.row_skip.tolist() == [300, 250] * 4
     t = prefix_tables(ctx.prefix.groups, HostBatch.from_batch(decode).q_offsets,
-                      HostBatch.from_batch(decode).kv_offsets, tiny)  # fmt: skip
+                      HostBatch.from_batch(decode).kv_starts, tiny)  # fmt: skip
     assert ctx.prefix.tiles.tolist() == t.tiles.reshape(-1).tolist()
     assert ctx.prefix.tokens.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
     assert ForwardContext.build(decode, torch.device("cpu"), 999).prefix is None  # off
@@ -299,7 +299,7 @@ def test_context_carries_the_groups_to_the_device() -> None:
 
 def arrays_of(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     hb = HostBatch.from_batch(batch)
-    return hb.kv_slots, hb.kv_offsets, hb.q_offsets
+    return hb.kv_slots, np.concatenate(([0], np.cumsum(hb.kv_lens))), hb.q_offsets
 
 
 def test_an_anchor_that_diverges_early_is_left_out() -> None:

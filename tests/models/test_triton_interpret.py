@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 COMMON = r"""
+import numpy as np
 import torch
 from tokencache_models.attention import TorchPagedAttention
 from tokencache_models.batch import ForwardBatch
@@ -61,7 +62,8 @@ for heads, kv_heads, head_dim in [(8, 2, 32), (6, 3, 24)]:
     assert ctx.is_decode
     for block_n in (16, 64):
         out = paged_decode(
-            q, kc, vc, batch.kv_slots, batch.kv_offsets, head_dim**-0.5, block_n=block_n
+            q, kc, vc, batch.kv_slots, batch.kv_starts, batch.kv_lens, head_dim**-0.5,
+            block_n=block_n,
         )
         err = (out - ref).abs().max().item()
         assert err < 1e-4, (heads, kv_heads, head_dim, block_n, err)
@@ -87,7 +89,8 @@ def check(heads, kv_heads, head_dim, prefix_lens, q_lens, shared_prefix=0, rows=
     q = torch.randn(batch.num_tokens, heads, head_dim)
     ref, ctx = torch_reference(batch, q, kc, vc, head_dim**-0.5)
     out = paged_varlen(
-        q, kc, vc, batch.kv_slots, batch.q_offsets, batch.kv_offsets, head_dim**-0.5,
+        q, kc, vc, batch.kv_slots, batch.q_offsets, batch.kv_starts, batch.kv_lens,
+        head_dim**-0.5,
         ctx.max_q_len, rows=rows, block_n=block_n,
     )
     err = (out - ref).abs().max().item()
@@ -126,7 +129,7 @@ def with_empty_request(batch, at, kv_len, slot):
     kv_off = torch.cat((ko[: at + 1], ko[at:] + kv_len))
     fill = torch.full((kv_len,), slot, dtype=batch.kv_slots.dtype)
     kv_slots = torch.cat((batch.kv_slots[: ko[at]], fill, batch.kv_slots[ko[at] :]))
-    return kv_slots, q_off, kv_off
+    return kv_slots, q_off, kv_off[:-1], kv_off.diff()
 
 
 def check(heads, kv_heads, head_dim, prefix_lens, q_lens, splits, shared_prefix=0, rows=16,
@@ -145,7 +148,7 @@ def check(heads, kv_heads, head_dim, prefix_lens, q_lens, splits, shared_prefix=
     q = torch.randn(batch.num_tokens, heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     ref, ctx = torch_reference(batch, q, kc, vc, scale)
-    tables = (batch.kv_slots, batch.q_offsets, batch.kv_offsets)
+    tables = (batch.kv_slots, batch.q_offsets, batch.kv_starts, batch.kv_lens)
     if empty_at is not None:
         tables = with_empty_request(batch, empty_at, 40, int(perm[0]))
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -208,6 +211,13 @@ def build(segments, rows, tails, q_lens, kv_heads, head_dim):
     return ForwardBatch.from_requests([[0] * n for n in q_lens], pre, new), kc, vc
 
 
+def concatenated(hb):
+    # The host batch's rows as one concatenated slot list and its offsets (padding rows each
+    # get their own copy of the scratch entry).
+    rows = [hb.kv_slots[s : s + n] for s, n in zip(hb.kv_starts.tolist(), hb.kv_lens.tolist())]
+    return np.concatenate(rows), np.concatenate(([0], np.cumsum(hb.kv_lens)))
+
+
 def on_device(tables, shape):
     groups = tables.groups
     return SharedPrefix(*(torch.from_numpy(a) for a in tables.arrays()), shape.tokens_per_block,
@@ -221,29 +231,32 @@ def check(heads, kv_heads, head_dim, segments, rows, tails, q_lens, expect, pad=
     if pad:
         hb = hb.padded(len(q_lens) + pad, kc.shape[0] - 1)
     n = len(q_lens)
-    groups = find_prefix_groups(hb.kv_slots, hb.kv_offsets, hb.q_offsets, n, min_len=1)
+    kv_slots, kv_offsets = concatenated(hb)
+    groups = find_prefix_groups(kv_slots, kv_offsets, hb.q_offsets, n, min_len=1)
     assert [(g.rows, g.length) for g in groups] == expect, groups
     q = torch.randn(len(hb.token_ids), heads, head_dim)
     scale = head_dim**-0.5
     ref_batch = ForwardBatch(*(torch.from_numpy(a) for a in (
-        hb.token_ids, hb.positions, hb.out_slots, hb.q_offsets, hb.kv_slots, hb.kv_offsets)))
+        hb.token_ids, hb.positions, hb.out_slots, hb.q_offsets, kv_slots, kv_offsets)))
     ref, ctx = torch_reference(ref_batch, q, kc, vc, scale)
     slots, q_off, kv_off = ref_batch.kv_slots, ref_batch.q_offsets, ref_batch.kv_offsets
     shape = triton_prefix.prefix_shape(q, kc)
     tables = [
-        prefix_tables(groups, hb.q_offsets, hb.kv_offsets, shape),
+        prefix_tables(groups, hb.q_offsets, kv_offsets, shape),
         # A graph's table: padded with empty tiles up to its fixed count (two more groups').
-        prefix_tables(groups, hb.q_offsets, hb.kv_offsets, shape,
+        prefix_tables(groups, hb.q_offsets, kv_offsets, shape,
                       max_tiles(shape, len(hb.token_ids), len(groups) + 2)),
         # No group on the prefix path: no tile; every row writes its prefix columns empty.
-        prefix_tables([], hb.q_offsets, hb.kv_offsets, shape),
+        prefix_tables([], hb.q_offsets, kv_offsets, shape),
     ]
     outs = []
     for prefix in [on_device(t, shape) for t in tables] + [None]:
         if ctx.is_decode:
-            outs.append(paged_decode(q, kc, vc, slots, kv_off, scale, block_n=16, prefix=prefix))
+            outs.append(paged_decode(q, kc, vc, slots, kv_off[:-1], kv_off.diff(), scale,
+                                     block_n=16, prefix=prefix))
         else:
-            outs.append(paged_varlen(q, kc, vc, slots, q_off, kv_off, scale, ctx.max_q_len,
+            outs.append(paged_varlen(q, kc, vc, slots, q_off, kv_off[:-1], kv_off.diff(), scale,
+                                     ctx.max_q_len,
                                      rows=16, block_n=16, prefix=prefix))
     real = int(q_off[n])  # padding rows are computed and dropped
     for out in outs:
@@ -301,11 +314,12 @@ batch, kc, vc = build({"A": 100}, [["A"]] * 2, [3, 4], [1, 1], 2, 16)
 hb = HostBatch.from_batch(batch)
 q = torch.randn(2, 4, 16)
 wrong = _Shape(1, 2, 16)  # 128 tokens per tile; the (patched) kernel's takes 64
-bad = on_device(prefix_tables(find_prefix_groups(hb.kv_slots, hb.kv_offsets, hb.q_offsets,
-                                                 min_len=1), hb.q_offsets, hb.kv_offsets, wrong),
-                wrong)
+kv_off = batch.kv_offsets.numpy()
+bad = on_device(prefix_tables(find_prefix_groups(hb.kv_slots, kv_off, hb.q_offsets, min_len=1),
+                              hb.q_offsets, hb.kv_starts, wrong), wrong)
 try:
-    paged_decode(q, kc, vc, batch.kv_slots, batch.kv_offsets, 0.25, block_n=16, prefix=bad)
+    paged_decode(q, kc, vc, batch.kv_slots, batch.kv_starts, batch.kv_lens, 0.25, block_n=16,
+                 prefix=bad)
     raise AssertionError("a table cut for another tile ran")
 except ValueError as e:
     assert "tokens per tile" in str(e)
