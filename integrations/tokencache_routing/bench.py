@@ -2,8 +2,20 @@
 
     python -m tokencache_routing.bench [--quick] [--clock gpu|measured]
         [--profile h200-2026-11-30|h200-roofline] [--[no-]shared-prefix]
+        [--workload shared-prompt|reasoning|long-input] [--max-new 512 2048 8192]
+        [--concurrency 1 4 8 16 32 64 128] [--breakdown-steps 128]
         [--contexts 2048 8192] [--rates 0.05 0.1 0.2] [--max-running 32]
         [--system-prompts K] [--dispatches naive naive-sglang tokencache threaded] [--out DIR]
+
+Workloads (bench_workloads.py; every request EOS-free, so every system writes the same
+tokens): shared-prompt (the default, described next), reasoning (a 128-token shared system
+prompt + 128 own tokens, 2048 new: long generations, where the naive trees get deep) and
+long-input (2048 shared + 6144 own, 1024 new). --concurrency sweeps max_running (N =
+--requests-per-slot x C); several --max-new values sweep the output length; both print a
+summary table and a plot (bench_concurrency.png, bench_length.png). For reasoning and
+long-input the report adds the per-step breakdown over the last 128 small steps (small and
+large forward, tree insert/update, prefix match, lock, unlock, the rest) beside the published
+one (TokenRouter, arXiv 2610.12242).
 
 A serving workload: N = --requests-per-slot x max_running requests (a system prompt plus each
 request's own text, --context tokens in all once generated) submitted at once and admitted
@@ -28,6 +40,8 @@ less, with shared-prefix reads, the longest prefix two requests share, which is 
 often as one forward of all of them would, whatever K: no one-device schedule beats it on the
 GPU clock).
 Markdown table on stdout, bench.json and bench.png (when matplotlib is installed) in --out.
+The engine clock charges forwards and tree time; the engine's other host work is not on it
+(the report's clock line says so).
 """
 
 from __future__ import annotations
@@ -42,6 +56,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .bench_workloads import (
+    WORKLOADS,
+    StepTrace,
+    Workload,
+    breakdown_table,
+    length_table,
+    resolve,
+    sweep_table,
+)
 
 SYSTEMS = ("naive", "naive-sglang", "tokencache", "threaded")
 BOUNDS = ("small alone", "large alone")
@@ -70,6 +94,14 @@ class Row:
     large_floor_s: float = 0.0  # the least the large model's work costs (for the ceiling)
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    workload: str = "shared-prompt"
+    max_new: int = 0  # new tokens per request (EOS-free: every request writes them all)
+    max_running: int = 0  # the small batch cap: the concurrency of a --concurrency sweep
+
+
+def point(r: Row) -> tuple[str, int, int, int]:
+    """Rows at one point of the workload (compared with each other: x naive, the limits)."""
+    return r.workload, r.context, r.max_new, r.max_running
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -140,9 +172,13 @@ def run(
     max_new: int,
     models: tuple[Any, Any],
     a: argparse.Namespace,
+    workload: str = "shared-prompt",
 ) -> Row:
     """One system on one workload. a.clock "gpu" prices forwards with a GpuClock at
-    a.small_shape / a.large_shape; "measured" uses their real (synchronised) times."""
+    a.small_shape / a.large_shape; "measured" uses their real (synchronised) times.
+    The event loop is driven here one iteration at a time (RoutedEngine.iterate), so a
+    StepTrace sees every small step: the per-step breakdown over the last
+    a.breakdown_steps of them (one device only: with two the models overlap on the clock)."""
     from tokencache_routing import (
         BernoulliRouter,
         GpuClock,
@@ -207,7 +243,20 @@ def run(
     start, clock0 = eng.stats.copy(), eng.now()
     t0 = time.perf_counter()
     handles = [eng.submit(q, max_new, route_key=i) for i, q in enumerate(prompts)]
-    for h in handles:
+    trace = None
+    if mode == "events":
+        trace = StepTrace(eng)
+        trace.sample()
+        bar = _progress(len(prompts) * max_new, f"{system} c={a.max_running} new={max_new}", a)
+        done = 0
+        while eng.iterate():
+            trace.sample()
+            if bar is not None:
+                bar.update(eng.stats.tokens - start.tokens - done)
+                done = eng.stats.tokens - start.tokens
+        if bar is not None:
+            bar.close()
+    for h in handles:  # threaded: its workers run them; events: all done already
         h.wait()
     wall = time.perf_counter() - t0
     st = eng.stats.since(start)
@@ -246,6 +295,12 @@ def run(
                   "catchup_kv_floor": least, "catchups_sharing": shared_catchups,
                   "catchup_most_groups": most_groups}  # fmt: skip
     assert eng.idle_invariant(), f"{system}: engine not idle after the run"
+    # EOS-free: every request wrote all its tokens, whatever system routed them.
+    assert all(len(h.tokens) == max_new for h in handles), f"{system}: a request ended early"
+    if trace is not None and eng.topology == "one-device":
+        last = getattr(a, "breakdown_steps", 0) or 128  # kept in the JSON even when not printed
+        extra["breakdown"] = trace.breakdown(last).as_dict()
+        extra["per_step"] = trace.per_step()
     return Row(
         context=len(prompts[0]) + max_new,
         p=p,
@@ -267,7 +322,21 @@ def run(
         large_floor_s=floor,
         extra=extra,
         wall_s=wall,
+        workload=workload,
+        max_new=max_new,
+        max_running=a.max_running,
     )
+
+
+def _progress(total: int, desc: str, a: argparse.Namespace) -> Any:
+    """A per-run progress bar over the tokens generated (long generations take minutes)."""
+    if not getattr(a, "progress", False):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="tok", leave=False, file=sys.stderr)
 
 
 HEADER = (
@@ -281,7 +350,7 @@ def table(rows: list[Row]) -> str:
     out = [HEADER]
     for r in rows:
         naive = next(
-            (q for q in rows if q.system == "naive" and (q.context, q.p) == (r.context, r.p)), None
+            (q for q in rows if q.system == "naive" and (point(q), q.p) == (point(r), r.p)), None
         )
         same_clock = naive is not None and naive.clock == r.clock and naive.tokens_per_s
         x = f"{r.tokens_per_s / naive.tokens_per_s:.2f}x" if same_clock and naive else "-"
@@ -295,18 +364,16 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def limit_row(rows: list[Row], context: int, p: float, kind: str) -> Row | None:
+def limit_row(rows: list[Row], at: tuple[str, int, int, int], p: float, kind: str) -> Row | None:
     """ideal: small-alone time plus the tokencache run's large catch-up time (this schedule's
     catch-ups, nothing waiting). ceiling: small-alone time (full batches of max_running) plus
     the least the large model's tokens and KV reads in this run can cost on the clock
     (GpuClock.floor_s of GpuClock.least_kv_read: with shared-prefix reads, each escalation's
     context beyond the shareable prefix, and that prefix read as few times as possible): no
     one-device schedule computing those tokens beats it, but for the bookkeeping measured on
-    this CPU (GPU clock only)."""
-    alone = next((r for r in rows if r.system == "small alone" and r.context == context), None)
-    tc = next(
-        (r for r in rows if r.system == "tokencache" and (r.context, r.p) == (context, p)), None
-    )
+    this CPU (GPU clock only). `at`: the workload point (point(row))."""
+    alone = next((r for r in rows if r.system == "small alone" and point(r) == at), None)
+    tc = next((r for r in rows if r.system == "tokencache" and (point(r), r.p) == (at, p)), None)
     if alone is None or tc is None or (kind == "ceiling" and not tc.large_floor_s):
         return None
     large = tc.large_s if kind == "ideal" else tc.large_floor_s
@@ -314,9 +381,10 @@ def limit_row(rows: list[Row], context: int, p: float, kind: str) -> Row | None:
     two = tc.extra.get("topology") == "two-devices"
     seconds = max(alone.seconds, large) if two else alone.seconds + large
     nan = float("nan")
-    return Row(context, p, kind, tc.clock, tc.requests, tc.tokens, seconds,
+    return Row(tc.context, p, kind, tc.clock, tc.requests, tc.tokens, seconds,
                tc.tokens / seconds, nan, nan, nan, 1.0, alone.small_steps, tc.catchups,
-               tc.mean_catchup_batch, 0.0)  # fmt: skip
+               tc.mean_catchup_batch, 0.0, workload=tc.workload, max_new=tc.max_new,
+               max_running=tc.max_running)  # fmt: skip
 
 
 def plot(rows: list[Row], path: Path) -> bool:
@@ -354,6 +422,14 @@ def plot(rows: list[Row], path: Path) -> bool:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (seconds)")
+    ap.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="shared-prompt",
+        help="shared-prompt: a long primed system prompt (--contexts) + 32 own, 32 new; "
+        "reasoning: 128 shared + 128 own, 2048 new; long-input: 2048 shared + 6144 own, 1024 "
+        "new (bench_workloads.py); every request EOS-free",
+    )
     ap.add_argument("--clock", choices=["gpu", "measured"], default="gpu")
     ap.add_argument(
         "--profile",
@@ -370,18 +446,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--small-shape", default="qwen3-0.6b", help="model shape the clock prices")
     ap.add_argument("--large-shape", default="qwen3-8b")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument(
+        "--contexts", type=int, nargs="+", default=[2048, 8192], help="shared-prompt only"
+    )
     ap.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     ap.add_argument("--max-running", type=int, default=32)
-    ap.add_argument("--requests-per-slot", type=int, default=4, help="N = this x max_running")
-    ap.add_argument("--max-new", type=int, default=32)
-    ap.add_argument("--unique-prompt", type=int, default=32, help="each request's own tokens")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="C",
+        help="a sweep: each C as max_running, N = requests-per-slot x C (default: --max-running)",
+    )
+    ap.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=None,
+        help="N = this x max_running (default: 4 for shared-prompt, 1 otherwise)",
+    )
+    ap.add_argument(
+        "--max-new", type=int, nargs="+", default=None, help="new tokens (default: the workload's)"
+    )
+    ap.add_argument(
+        "--unique-prompt", type=int, default=None, help="each request's own tokens (workload's)"
+    )
+    ap.add_argument(
+        "--system-tokens",
+        type=int,
+        default=None,
+        help="system prompt length (reasoning, long-input: the workload's; shared-prompt: "
+        "what --contexts leaves)",
+    )
     ap.add_argument(
         "--system-prompts",
         type=int,
         default=1,
         metavar="K",
         help="distinct system prompts (each of the same length; request i gets prompt i mod K)",
+    )
+    ap.add_argument(
+        "--breakdown-steps",
+        type=int,
+        default=None,
+        help="print the per-step breakdown over the last this many small steps (default: 128 "
+        "for reasoning and long-input, off for shared-prompt)",
     )
     ap.add_argument("--min-large-batch", type=int, default=32)
     ap.add_argument("--max-wait", type=int, default=8, help="max wait in small steps")
@@ -406,10 +515,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.system_prompts < 1:
         ap.error(f"--system-prompts must be >= 1, got {a.system_prompts}")
+    for name in ("concurrency", "max_new"):
+        if any(v < 1 for v in getattr(a, name) or ()):
+            ap.error(f"--{name.replace('_', '-')} values must be >= 1")
     if a.quick:
-        a.contexts, a.rates, a.max_running, a.requests_per_slot = [96], [0.1], 4, 2
-        a.max_new, a.unique_prompt, a.min_large_batch = 8, 8, 2
+        a.contexts, a.rates, a.max_running, a.min_large_batch = [96], [0.1], 4, 2
+    a.points = resolve(a)  # fills the workload's defaults in
+    if a.breakdown_steps is None:
+        a.breakdown_steps = 0 if a.workload == "shared-prompt" else 128
+    a.concurrency = a.concurrency or [a.max_running]
+    a.progress = True
     return a
+
+
+# The engine clock charges forwards and tree time; the engine's other host work per step is
+# not on it until the host-path issue (20) lands: the report says so.
+HOST_NOTE = "host time outside the trees not charged"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -432,44 +553,85 @@ def main(argv: Sequence[str] | None = None) -> None:
         from tqdm import tqdm
     except ImportError:
         tqdm = None
-    models = tiny_models(max(a.contexts) + 64)
-    n = a.requests_per_slot * a.max_running
-    jobs: list[tuple[int, float, str]] = []
-    for ctx in a.contexts:
-        if not a.no_bounds:
-            jobs += [(ctx, 0.0, s) for s in BOUNDS]
-        jobs += [(ctx, p, s) for p in a.rates for s in a.dispatches]
+    points: list[Workload] = a.points
+    models = tiny_models(max(w.context for w in points) + 64)
+    jobs: list[tuple[Workload, int, float, str]] = []
+    for w in points:
+        for c in a.concurrency:
+            if not a.no_bounds:
+                jobs += [(w, c, 0.0, s) for s in BOUNDS]
+            jobs += [(w, c, p, s) for p in a.rates for s in a.dispatches]
     bar = tqdm(jobs, desc="routing bench", file=sys.stderr) if tqdm else jobs
     rows: list[Row] = []
-    for ctx, p, system in bar:
-        shared = max(1, ctx - a.max_new - a.unique_prompt)
-        prompts = make_prompts(n, shared, a.unique_prompt, 512, a.seed, a.system_prompts)
-        rows.append(run(system, p, prompts, shared, a.max_new, models, a))
+    for w, c, p, system in bar:
+        at = argparse.Namespace(**{**vars(a), "max_running": c})
+        n = a.requests_per_slot * c
+        prompts = make_prompts(n, w.shared, w.unique, 512, a.seed, a.system_prompts)
+        rows.append(run(system, p, prompts, w.shared, w.max_new, models, at, w.name))
     if not a.no_bounds:
-        for ctx in a.contexts:
+        for at_point in dict.fromkeys(point(r) for r in rows):
             for p in a.rates:
                 for kind in LIMITS:
-                    r = limit_row(rows, ctx, p, kind)
+                    r = limit_row(rows, at_point, p, kind)
                     if r is not None:
                         rows.append(r)
     order = {s: i for i, s in enumerate([*BOUNDS, *LIMITS, *SYSTEMS])}
-    rows.sort(key=lambda r: (r.context, r.p if r.system not in BOUNDS else -1, order[r.system]))
+    rows.sort(
+        key=lambda r: (
+            r.workload,
+            r.max_running,
+            r.context,
+            r.p if r.system not in BOUNDS else -1,
+            order[r.system],
+        )
+    )
     clock = next((r.clock for r in rows if r.system not in (*BOUNDS, "threaded")), "wall")
+    cs = a.concurrency
+    news = sorted({w.max_new for w in points})
+    n_text = (
+        f"{a.requests_per_slot * cs[0]} requests, max_running {cs[0]}"
+        if len(cs) == 1
+        else f"{a.requests_per_slot} x C requests, max_running C in {cs}"
+    )
     print(
-        f"clock: {clock} + bookkeeping measured here; threaded rows: wall time on this CPU. "
-        f"{n} requests, max_running {a.max_running}, {a.max_new} new tokens each, "
+        f"clock: {clock} + bookkeeping measured here ({HOST_NOTE}); threaded rows: wall time "
+        f"on this CPU. {n_text}, {'/'.join(map(str, news))} new tokens each, "
         f"min_large_batch {a.min_large_batch}, max_wait {a.max_wait} steps, "
         f"min_occupancy {a.min_occupancy}, topology {a.topology}, "
-        f"{a.system_prompts} system prompt{'s' if a.system_prompts > 1 else ''}\n"
+        f"{a.system_prompts} system prompt{'s' if a.system_prompts > 1 else ''}"
     )
-    print(table(rows))
+    for w in points:
+        print(w.describe())
+    groups = list(dict.fromkeys((r.workload, r.max_running) for r in rows))
+    for wl, c in groups:
+        if len(groups) > 1:
+            print(f"\n{wl}, concurrency {c} ({a.requests_per_slot * c} requests):")
+        print()
+        print(table([r for r in rows if (r.workload, r.max_running) == (wl, c)]))
+    if len(cs) > 1:
+        print(sweep_table(rows))
+    if len(news) > 1:
+        print(length_table(rows))
+    if a.breakdown_steps:
+        print(breakdown_table(rows))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    args = {k: v for k, v in vars(a).items() if k != "points"}
+    args["workloads"] = [asdict(w) for w in points]
     (out / "bench.json").write_text(
-        json.dumps({"args": vars(a), "rows": [asdict(r) for r in rows]}, indent=1)
+        json.dumps({"args": args, "rows": [asdict(r) for r in rows]}, indent=1)
     )
-    if plot(rows, out / "bench.png"):
-        print(f"\nplot: {out / 'bench.png'}")
+    from .bench_plots import plot_concurrency, plot_length
+
+    plots = []
+    if len(cs) > 1 and plot_concurrency(rows, out / "bench_concurrency.png"):
+        plots.append(out / "bench_concurrency.png")
+    if len(news) > 1 and plot_length(rows, out / "bench_length.png"):
+        plots.append(out / "bench_length.png")
+    if len(cs) == 1 and len(news) == 1 and plot(rows, out / "bench.png"):
+        plots.append(out / "bench.png")
+    for path in plots:
+        print(f"\nplot: {path}")
     print(f"json: {out / 'bench.json'}")
 
 

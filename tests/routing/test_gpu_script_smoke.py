@@ -46,6 +46,25 @@ def test_smoke_prints_table(tmp_path: Path) -> None:
         assert r["tokens_per_s"] > 0
 
 
+def test_smoke_reasoning_workload(tmp_path: Path) -> None:
+    """--workload reasoning: one wave of long generations (here 24 tokens), the routed systems
+    before the bounds, every request writing all its tokens, and the per-step breakdown."""
+    res = _run(["--smoke", "--workload", "reasoning"], tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "paper ms" in res.stdout  # the breakdown beside the published profile
+    result = json.loads((tmp_path / "routing_step.json").read_text())
+    rows = result["rows"]
+    assert not [r for r in rows if "error" in r]
+    assert [r["system"] for r in rows] == ["tokencache", "naive", "small alone", "large alone"]
+    args = result["args"]
+    assert (args["max_new"], args["requests_per_slot"], args["rates"]) == (24, 1, [0.2])
+    for r in rows:
+        assert r["workload"] == "reasoning" and r["context"] == 40 + 8 + 24
+        assert r["requests"] == 4 and r["tokens"] == 4 * 24
+        b = r["extra"]["breakdown"]
+        assert abs(sum(b["ms_per_step"].values()) - b["step_ms"]) < 1e-9 * b["step_ms"]
+
+
 def test_refuses_without_cuda(tmp_path: Path) -> None:
     res = _run([], tmp_path)
     assert res.returncode != 0

@@ -1,0 +1,172 @@
+"""The serving benchmark's named workloads, its concurrency sweep, output-length sweep and the
+per-step breakdown (tokencache_routing.bench_workloads): shapes, equal token counts across
+systems, and a breakdown whose parts add up to the engine clock."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokencache_routing import bench
+from tokencache_routing.bench_workloads import PARTS, Sample, StepTrace
+
+ROUTED = ("naive", "naive-sglang", "tokencache")
+
+
+def test_workload_shapes() -> None:
+    """Each workload's default shape, and --max-new / --contexts giving one point each."""
+    (w,) = bench.parse_args(["--workload", "reasoning"]).points
+    assert (w.shared, w.unique, w.max_new) == (128, 128, 2048)
+    a = bench.parse_args(["--workload", "reasoning", "--max-new", "512", "2048", "8192"])
+    assert [p.max_new for p in a.points] == [512, 2048, 8192]
+    assert {(p.shared, p.unique) for p in a.points} == {(128, 128)}
+    assert a.requests_per_slot == 1 and a.breakdown_steps == 128
+    (w,) = bench.parse_args(["--workload", "long-input"]).points
+    assert (w.prompt, w.shared, w.max_new) == (8192, 2048, 1024)
+    # shared-prompt: today's default, the system prompt filling each context
+    a = bench.parse_args([])
+    assert [(p.shared, p.unique, p.max_new) for p in a.points] == [(1984, 32, 32), (8128, 32, 32)]
+    assert a.requests_per_slot == 4 and a.breakdown_steps == 0 and a.concurrency == [32]
+    a = bench.parse_args(
+        ["--workload", "reasoning", "--concurrency", "1", "8", "--system-tokens", "64"]
+    )
+    assert a.concurrency == [1, 8] and a.points[0].shared == 64
+    assert (
+        "2048 new tokens per request (EOS-free)"
+        in bench.parse_args(["--workload", "reasoning"]).points[0].describe()
+    )
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--concurrency", "0"])
+
+
+def _rows(tmp_path: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    return rows
+
+
+def _check_breakdown(r: dict[str, Any]) -> None:
+    """The parts of the per-step breakdown add up to the step; over a window that covers the
+    whole run (quick runs have fewer than 128 steps), to the run's engine-clock time, and its
+    large-forward part to the catch-ups as the clock priced them."""
+    b = r["extra"]["breakdown"]
+    assert b["steps"] == r["small_steps"] and b["first_step"] == 1
+    ms = b["ms_per_step"]
+    assert set(ms) == set(PARTS)
+    assert all(ms[part] >= 0 for part in PARTS if part != "rest"), ms
+    # rest = the clock less the parts: the naive dispatchers' tree work is all on the clock;
+    # tokencache's admission hold-back check matches outside any forward's host window (a
+    # measured match the clock does not charge), so its rest may dip below 0 by that much.
+    if r["system"] == "tokencache":
+        assert ms["rest"] >= -ms["prefix match"] - 1e-12
+    else:
+        assert ms["rest"] == 0, ms
+    assert math.isclose(sum(ms.values()), b["step_ms"], rel_tol=1e-9)
+    assert math.isclose(sum(b["share"].values()), 1.0, rel_tol=1e-9)
+    run_s = b["step_ms"] * b["steps"] / 1e3
+    assert math.isclose(run_s, r["seconds"], rel_tol=1e-9)
+    large_s = ms["large forward"] * b["steps"] / 1e3
+    assert math.isclose(large_s, r["large_s"], rel_tol=1e-9, abs_tol=1e-12)
+    assert ms["small forward"] > 0
+
+
+def test_reasoning_concurrency_sweep(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["--quick", "--workload", "reasoning", "--concurrency", "1", "4"]
+    args += ["--dispatches", *ROUTED, "--profile", "h200-roofline", "--out", str(tmp_path)]
+    bench.main(args)
+    out = capsys.readouterr().out
+    # The report names its shape and says what the clock leaves out.
+    assert "workload reasoning: 64-token shared system prompt + 8 own tokens, 48 new tokens" in out
+    assert "host time outside the trees not charged" in out
+    assert "decode tok/s against concurrency" in out
+    sweep = [x for x in out.splitlines() if x.startswith(("| 1 |", "| 4 |"))]
+    assert len(sweep) == 2
+    assert "paper ms" in out  # the breakdown beside the published profile
+    rows = _rows(tmp_path)
+    ran = {r["system"] for r in rows}
+    assert {"small alone", "large alone", "naive", "tokencache"} <= ran
+    for c in (1, 4):
+        mine = [r for r in rows if r["max_running"] == c and r["system"] not in bench.LIMITS]
+        assert {r["system"] for r in mine} == ran - set(bench.LIMITS)
+        for r in mine:
+            # EOS-free: every system writes every request's 48 tokens.
+            assert r["requests"] == c and r["tokens"] == c * 48 and r["max_new"] == 48
+            assert r["workload"] == "reasoning" and r["context"] == 64 + 8 + 48
+            if r["system"] in ROUTED:
+                _check_breakdown(r)
+    sglang = [r for r in rows if r["system"] == "naive-sglang"]
+    for r in sglang:  # SGLang's protocol: every hand-off matches, locks, inserts, unlocks
+        ms = r["extra"]["breakdown"]["ms_per_step"]
+        assert min(ms["tree insert/update"], ms["prefix match"], ms["lock"], ms["unlock"]) > 0
+    if (tmp_path / "bench_concurrency.png").exists() is False:
+        pytest.importorskip("matplotlib")
+        raise AssertionError("matplotlib is installed but no concurrency plot was written")
+
+
+def test_output_length_sweep(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["--quick", "--workload", "reasoning", "--max-new", "16", "48"]
+    args += ["--dispatches", "naive", "tokencache", "--profile", "h200-roofline"]
+    bench.main([*args, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "against output length" in out
+    assert "tokencache: bookkeeping share at 48 new tokens / at 16" in out
+    rows = _rows(tmp_path)
+    for new in (16, 48):
+        mine = [r for r in rows if r["max_new"] == new and r["system"] not in bench.LIMITS]
+        assert {r["tokens"] for r in mine} == {4 * new}  # --quick: 4 requests
+        tc = next(r for r in mine if r["system"] == "tokencache")
+        # the tree's cost per step over the generation, for the depth plot
+        prof = tc["extra"]["per_step"]
+        assert prof and prof[0][0] == 1 and prof[-1][1] == tc["small_steps"]
+    if (tmp_path / "bench_length.png").exists() is False:
+        pytest.importorskip("matplotlib")
+        raise AssertionError("matplotlib is installed but no length plot was written")
+
+
+def test_long_input_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["--quick", "--workload", "long-input", "--dispatches", "naive", "tokencache"]
+    bench.main([*args, "--no-bounds", "--profile", "h200-roofline", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "workload long-input: 64-token shared system prompt + 160 own tokens" in out
+    rows = _rows(tmp_path)
+    assert {r["system"] for r in rows} == {"naive", "tokencache"}
+    assert {r["tokens"] for r in rows} == {4 * 12}
+    assert {r["context"] for r in rows} == {64 + 160 + 12}
+
+
+class _Side:
+    def __init__(self) -> None:
+        self.bookkeeping_by_op: dict[str, float] = {}
+
+
+def test_breakdown_window_by_hand() -> None:
+    """The window holds the last K small steps (the catch-up run before the first of them
+    included); the parts map the tree's operations as published (a cursor's extend is its
+    insert/update), and the rest is what the clock charged beyond them."""
+    trace = StepTrace.__new__(StepTrace)
+    trace.samples = [
+        Sample(0, 0.0, 0.0, 0.0, {}),
+        Sample(1, 1.0, 0.5, 0.4, {"match": 0.1}),
+        Sample(2, 3.0, 1.0, 2.0, {"match": 0.1, "extend": 0.3, "insert": 0.2}),
+        # a catch-up on its own (no small step): it runs before step 3
+        Sample(2, 4.0, 1.0, 2.9, {"match": 0.1, "extend": 0.3, "insert": 0.2, "evict": 0.1}),
+        Sample(3, 5.1, 1.5, 2.9, {"match": 0.2, "extend": 0.6, "insert": 0.2, "evict": 0.2}),
+    ]
+    trace.samples[-1].ops.update(lock=0.1, unlock=0.1)
+    b = trace.breakdown(1)  # step 3, and the catch-up before it
+    assert (b.steps, b.first_step) == (1, 3) and math.isclose(b.total, 2.1)
+    want = {"small forward": 0.5, "large forward": 0.9, "tree insert/update": 0.3,
+            "prefix match": 0.1, "lock": 0.1, "unlock": 0.1, "rest": 0.1}  # fmt: skip
+    for part, v in want.items():  # rest: the evictions (what the clock charged beyond)
+        assert math.isclose(b.parts[part], v, abs_tol=1e-12), part
+    assert math.isclose(b.ms("lock"), 100.0) and math.isclose(b.share("rest"), 0.1 / 2.1)
+    b = trace.breakdown(2)
+    assert (b.steps, b.first_step) == (2, 2) and math.isclose(b.total, 4.1)
+    assert math.isclose(b.parts["tree insert/update"], 0.8)  # extend 0.6 + insert 0.2
+    assert math.isclose(sum(b.parts.values()), b.total)
+    b = trace.breakdown(128)  # more than the run: all of it
+    assert (b.steps, b.first_step) == (3, 1) and math.isclose(b.total, 5.1)
+    assert math.isclose(b.parts["tree insert/update"], 0.8)
