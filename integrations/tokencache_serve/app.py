@@ -1,25 +1,32 @@
 """The OpenAI-compatible HTTP app (Starlette) over a RoutedEngine running its driver thread.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
-GET /v1/models/{id}, GET /health, GET /metrics. A request is validated and tokenized in the
-endpoint (refusals are OpenAI error objects), submitted to the engine, and answered by a
-GenerationResponse that watches the connection: a client that leaves aborts its request at once.
+GET /v1/models/{id}, GET /health, GET /metrics. A request body is read under a size limit and a
+deadline, then parsed, validated and tokenized in a worker thread (refusals are OpenAI error
+objects; the event loop keeps serving /health and every stream meanwhile), submitted to the
+engine, and answered by a GenerationResponse that watches the connection: a client that leaves
+aborts its request at once. A failure in one request's own work ends that request alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
@@ -37,9 +44,17 @@ from .protocol import (
     parse_chat,
     parse_completion,
     parse_json_body,
+    shown,
 )
+from .security import APIKeyMiddleware
 
 log = logging.getLogger("tokencache_serve")
+
+
+T = TypeVar("T")
+MAX_BODY_BYTES = 8 * 2**20
+BODY_TIMEOUT_S = 30.0
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,43 @@ class ServerConfig:
     completion_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     chat_max_tokens: int = 256  # /v1/chat/completions without max_tokens (capped by the context)
     default_temperature: float = 1.0  # OpenAI's default; 0 = greedy
+    max_body_bytes: int = MAX_BODY_BYTES  # larger bodies: 413, before they are read
+    body_timeout_s: float = BODY_TIMEOUT_S  # the whole body must arrive within this: else 408
+    max_prompt_tokens: int | None = None  # None: what the context allows
+    max_tokens_limit: int | None = None  # the largest max_tokens accepted; None: the context's
+    api_key: str | None = None  # checked on every /v1 route (Authorization: Bearer KEY)
+    allowed_origins: tuple[str, ...] = ()  # CORS; none by default (no CORS headers at all)
+    tokenizer_threads: int = 2  # per pool: one for prompts, one for outputs
+    system_fingerprint: str | None = None  # None: from the model name and tokencache's version
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+def fingerprint(model_name: str) -> str:
+    """OpenAI-style system_fingerprint ("fp_" + 10 hex): changes with the served model name or
+    tokencache's version, i.e. when the same seed may give other tokens."""
+    import tokencache
+
+    digest = hashlib.sha256(f"{tokencache.__version__}\0{model_name}".encode()).hexdigest()
+    return f"fp_{digest[:10]}"
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded metrics label: a client's arbitrary path must not create a new time series."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    return path if path in ENDPOINTS else "other"
 
 
 def context_limit(engine: RoutedEngine) -> int:
@@ -79,9 +131,18 @@ class Server:
         self.manage_engine = manage_engine
         self.created = int(time.time())
         self.max_context = context_limit(engine)
+        self.system_fingerprint = config.system_fingerprint or fingerprint(config.model_name)
+        self.vocab_size = int(engine.vocab_size)
+        eos = getattr(engine, "eos_token_id", None)
+        self.stop_token_ids = frozenset(() if eos is None else (int(eos),))
         self.inflight: set[Generation] = set()  # submitted, response not finished
         self._waker: LoopWaker | None = None  # made in the serving loop (lifespan)
         self.metrics = ServerMetrics(engine.metrics)
+        # Prompts (JSON, chat template, encode) and outputs (decode, stop strings) in their own
+        # threads: a huge prompt never stalls the loop, nor other requests' streams.
+        n = config.tokenizer_threads
+        self.prompt_pool = ThreadPoolExecutor(n, thread_name_prefix="tokencache-prompt")
+        self.output_pool = ThreadPoolExecutor(n, thread_name_prefix="tokencache-output")
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -90,8 +151,24 @@ class Server:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
+        middleware = []
+        if config.allowed_origins:
+            middleware.append(
+                Middleware(
+                    CORSMiddleware,
+                    allow_origins=list(config.allowed_origins),
+                    allow_methods=["GET", "POST"],
+                    allow_headers=["Authorization", "Content-Type"],
+                    max_age=600,
+                )
+            )
+        if config.api_key is not None:
+            middleware.append(
+                Middleware(APIKeyMiddleware, api_key=config.api_key, on_refusal=self._refused)
+            )
         self.app = Starlette(
             routes=routes,
+            middleware=middleware,
             exception_handlers={
                 APIError: self._api_error,
                 HTTPException: self._http_error,
@@ -112,6 +189,8 @@ class Server:
         finally:
             if self.manage_engine:
                 self.engine.shutdown()
+            for pool in (self.prompt_pool, self.output_pool):
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _loop_waker(self) -> LoopWaker:
         if self._waker is None:  # served without lifespan events
@@ -124,17 +203,20 @@ class Server:
 
     # ------------------------------------------------------------------------- errors
 
-    def _error_response(self, request: Request, err: APIError) -> JSONResponse:
-        self.metrics.http_requests.labels(request.url.path, str(err.status)).inc()
+    def _refused(self, path: str, status: int) -> None:
+        self.metrics.http_requests.labels(endpoint_label(path), str(status)).inc()
+
+    def _error_response(self, request: Request, err: APIError) -> Response:
+        self._refused(request.url.path, err.status)
         log.info(
             "%s %s -> %d %s: %s",
             request.method,
-            request.url.path,
+            shown(request.url.path),
             err.status,
             err.code,
             err.message,
         )
-        return JSONResponse(err.body(), status_code=err.status)
+        return Response(_dumps(err.body()), err.status, err.headers, "application/json")
 
     async def _api_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
@@ -151,8 +233,9 @@ class Server:
         return self._error_response(request, APIError(exc.status_code, msg))
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        err = APIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
+        # The details go to the log only: a client never sees exception text.
+        log.error("internal error on %s %s", request.method, shown(request.url.path), exc_info=exc)
+        err = APIError(500, "Internal server error; the server log has the details.")
         return self._error_response(request, err)
 
     # ------------------------------------------------------------------ simple routes
@@ -191,7 +274,7 @@ class Server:
         if name != self.config.model_name:
             raise APIError(
                 404,
-                f"The model `{name}` does not exist. This server serves "
+                f"The model `{shown(name)}` does not exist. This server serves "
                 f"`{self.config.model_name}` (GET /v1/models).",
                 param="model",
                 code="model_not_found",
@@ -199,21 +282,63 @@ class Server:
 
     # ------------------------------------------------------------------- generation
 
+    async def _in(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, if it is JSON, at most max_body_bytes and complete within body_timeout_s."""
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise APIError(
+                415,
+                "The request body must be JSON, sent with 'Content-Type: application/json'"
+                f"{f' (got {shown(media)!r})' if media else ''}.",
+                code="unsupported_media_type",
+            )
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)  # refused before a byte of it is read
+        try:
+            return await asyncio.wait_for(_body_within(request, limit), self.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(
+                408,
+                f"The request body did not arrive within {self.config.body_timeout_s:g} s.",
+                code="request_timeout",
+                headers={"connection": "close"},
+            ) from None
+        except ClientDisconnect:
+            raise APIError(400, "The client disconnected while sending the body.") from None
+
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
-        req = parse_completion(
-            parse_json_body(await request.body()), self.config.default_temperature
-        )
-        self._check_model(req.params.model)
-        ids = self._encode(req.prompt, add_special_tokens=True)
-        return self._submit(request, "completion", req, ids, arrival)
+        raw = await self._read_body(request)
+        req, ids, max_tokens = await self._in(self.prompt_pool, self._prepare_completion, raw)
+        return self._submit(request, "completion", req, ids, max_tokens, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
-        req = parse_chat(parse_json_body(await request.body()), self.config.default_temperature)
+        raw = await self._read_body(request)
+        req, ids, max_tokens = await self._in(self.prompt_pool, self._prepare_chat, raw)
+        return self._submit(request, "chat", req, ids, max_tokens, arrival)
+
+    def _prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[int], int]:
+        """Worker thread: parse, validate, tokenize; every refusal an APIError."""
+        req = parse_completion(parse_json_body(raw), self.config.default_temperature)
+        self._check_model(req.params.model)
+        if isinstance(req.prompt, list):
+            self._check_prompt_len(len(req.prompt), "prompt")  # before walking a long list
+        ids = self._encode(req.prompt, add_special_tokens=True)
+        default = self.config.completion_max_tokens
+        return req, ids, self._max_tokens(req.params, len(ids), default, "prompt")
+
+    def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, list[int], int]:
+        req = parse_chat(parse_json_body(raw), self.config.default_temperature)
         self._check_model(req.params.model)
         ids = self._encode(self._apply_template(req.messages), add_special_tokens=False)
-        return self._submit(request, "chat", req, ids, arrival)
+        default = self.config.chat_max_tokens
+        return req, ids, self._max_tokens(req.params, len(ids), default, "messages")
 
     def _apply_template(self, messages: list[dict[str, str]]) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -224,12 +349,29 @@ class Server:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
-        except Exception as e:  # the template itself refuses (e.g. roles out of order)
-            raise bad_request(f"The chat template rejected the messages: {e}", "messages") from e
+        except Exception as e:
+            # The template's own refusals (raise_exception: "roles must alternate") are for the
+            # client; anything else failing in it is logged, not shown.
+            from jinja2 import TemplateError
+
+            if isinstance(e, TemplateError) and type(e).__name__ != "TemplateSyntaxError":
+                msg = f"The chat template rejected the messages: {shown(str(e))}"
+            else:
+                log.warning("chat template failed", exc_info=e)
+                msg = "The chat template could not render these messages."
+            raise bad_request(msg, "messages") from None
         return str(text)
 
     def _encode(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, list):
+            for i, t in enumerate(prompt):
+                if not 0 <= t < self.vocab_size:
+                    raise bad_request(
+                        f"Invalid 'prompt': token id {shown(t)} at index {i} is outside the "
+                        f"vocabulary [0, {self.vocab_size}).",
+                        "prompt",
+                        "invalid_value",
+                    )
             return prompt
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not ids:
@@ -238,13 +380,32 @@ class Server:
             )
         return [int(t) for t in ids]
 
+    def _check_prompt_len(self, prompt_len: int, prompt_param: str) -> None:
+        cap = self.config.max_prompt_tokens  # beyond the context: the context's own message
+        if cap is not None and cap < prompt_len < self.max_context:
+            raise bad_request(
+                f"This server takes at most {cap} prompt tokens "
+                f"(--max-prompt-tokens); the prompt has {prompt_len}.",
+                prompt_param,
+                "context_length_exceeded",
+            )
+
     def _max_tokens(
         self, params: GenerationParams, prompt_len: int, default: int, prompt_param: str
     ) -> int:
+        self._check_prompt_len(prompt_len, prompt_param)
         limit = self.max_context
         asked = params.max_tokens
+        cap = self.config.max_tokens_limit  # beyond the context: the context's own message
+        if cap is not None and asked is not None and cap < asked and prompt_len + cap <= limit:
+            raise bad_request(
+                f"Invalid 'max_tokens': this server generates at most {cap} "
+                f"tokens per request (--max-tokens-limit), got {shown(asked)}.",
+                "max_tokens",
+                "invalid_value",
+            )
         if prompt_len >= limit or (asked is not None and prompt_len + asked > limit):
-            what = "" if asked is None else f" and {asked} tokens to generate"
+            what = "" if asked is None else f" and {shown(asked)} tokens to generate"
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens (KV pool and positions). "
                 f"However, you requested {prompt_len} prompt tokens{what}. Shorten the prompt "
@@ -252,7 +413,9 @@ class Server:
                 prompt_param if prompt_len >= limit or asked is None else "max_tokens",
                 "context_length_exceeded",
             )
-        return asked if asked is not None else min(default, limit - prompt_len)
+        if asked is not None:
+            return asked
+        return min(default, limit - prompt_len, cap or default)
 
     def _submit(
         self,
@@ -260,14 +423,11 @@ class Server:
         kind: str,
         req: CompletionRequest | ChatRequest,
         ids: list[int],
+        max_tokens: int,
         arrival: float,
     ) -> Response:
         p = req.params
-        default = (
-            self.config.chat_max_tokens if kind == "chat" else self.config.completion_max_tokens
-        )
         prompt_param = "prompt" if kind == "completion" else "messages"
-        max_tokens = self._max_tokens(p, len(ids), default, prompt_param)
         sampling = None
         if p.temperature > 0:
             sampling = SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
@@ -281,12 +441,19 @@ class Server:
                 p.stop,
                 self._loop_waker(),
                 arrival,
+                pool=self.output_pool,
+                stop_token_ids=self.stop_token_ids,
             )
         except (ValueError, TypeError) as e:
-            msg = f"The engine refused the request: {e}"
-            raise bad_request(msg, prompt_param, "invalid_value") from e
-        except RuntimeError as e:
-            raise APIError(503, f"The engine is not accepting requests: {e}") from e
+            # Everything is validated above; this is a fallback, its text for the log only.
+            log.warning("the engine refused a validated request: %s", e)
+            raise bad_request(
+                "The engine refused the request.", prompt_param, "invalid_value"
+            ) from None
+        except RuntimeError:
+            raise APIError(
+                503, "The engine is not accepting requests (shutting down).", code="unavailable"
+            ) from None
         return GenerationResponse(self, request.url.path, kind, p, gen)
 
 
@@ -306,20 +473,34 @@ class GenerationResponse(Response):
         self.kind = kind
         self.params = params
         self.gen = gen
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{gen.rid}"
+        # Unique across restarts and servers (OpenAI's ids are opaque); the engine's rid is in
+        # the extension field.
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._completed = False  # the last byte is being sent: a disconnect now is not a leave
+        self._started = False  # response headers sent
         self._status = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(self._on_disconnect)
         self.server.inflight.add(self.gen)
+
+        async def tracked_send(message: Message) -> None:
+            self._started = True
+            await send(message)
+
         try:
             if self.params.stream:
-                await self._stream(send)
+                await self._stream(tracked_send)
             else:
-                await self._whole(send)
+                await self._whole(tracked_send)
+        except Exception as exc:  # this response's own failure: it ends alone
+            log.error("rid=%d: answering it failed", self.gen.rid, exc_info=exc)
+            self.gen.abort()
+            self._status = 500
+            if not self.gen.client_gone:
+                await self._send_failure(send, GenerationError("Internal server error."))
         finally:
             watcher.cancel()
             self.server.inflight.discard(self.gen)
@@ -333,6 +514,16 @@ class GenerationResponse(Response):
         self.gen.abort()
 
     # ------------------------------------------------------------------ rendering
+
+    async def _send_failure(self, send: Send, e: GenerationError) -> None:
+        """The error as the response (not started yet) or as the stream's last event."""
+        body = APIError(e.status, e.message, code=e.code).body()
+        with contextlib.suppress(Exception):  # the client may be gone: nothing more to do
+            if not self._started:
+                await _send_json(send, e.status, body)
+                return
+            await _send_event(send, body)
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     def _extension(self, token_ids: list[int], models: list[int]) -> dict[str, Any]:
         return {"rid": self.gen.rid, "token_ids": token_ids, "large_token_mask": models}
@@ -356,6 +547,7 @@ class GenerationResponse(Response):
             "object": self._object(chunk),
             "created": self.created,
             "model": self.server.config.model_name,
+            "system_fingerprint": self.server.system_fingerprint,
             "choices": choices,
         }
 
@@ -382,7 +574,7 @@ class GenerationResponse(Response):
             choice["text"] = g.text
         choice["logprobs"] = None
         choice["finish_reason"] = g.finish_reason
-        choice["tokencache"] = self._extension(g.tokens, g.models)
+        choice["tokencache"] = self._extension(g.visible_tokens, g.visible_models)
         body = self._envelope([choice], chunk=False)
         body["usage"] = self._usage()
         return body
@@ -394,8 +586,9 @@ class GenerationResponse(Response):
             async for _ in self.gen.chunks():
                 pass
         except GenerationError as e:
-            self._status = 500
-            await _send_json(send, 500, APIError(500, str(e)).body())
+            self._status = e.status
+            if not self.gen.client_gone:
+                await self._send_failure(send, e)
             return
         if self.gen.client_gone:
             return
@@ -432,9 +625,10 @@ class GenerationResponse(Response):
                 if self.gen.client_gone:
                     return
                 await _send_event(send, self._chunk_body(c))
-        except GenerationError as e:
-            self._status = 500
-            await _send_event(send, APIError(500, str(e)).body())
+        except GenerationError as e:  # OpenAI ends a failed stream with an error event
+            self._status = e.status
+            if not self.gen.client_gone:
+                await _send_event(send, APIError(e.status, e.message, code=e.code).body())
         if self.gen.client_gone:
             return
         if self.params.include_usage and self._status == 200:
@@ -450,7 +644,7 @@ class GenerationResponse(Response):
         g, m = self.gen, self.server.metrics
         reason = "disconnect" if g.client_gone else (g.finish_reason or "cancelled")
         status = "499" if g.client_gone else str(self._status)
-        m.http_requests.labels(self.endpoint, status).inc()
+        m.http_requests.labels(endpoint_label(self.endpoint), status).inc()
         m.requests.labels(self.endpoint, reason).inc()
         m.prompt_tokens.inc(g.prompt_len)
         m.completion_tokens.inc(len(g.tokens))
@@ -481,6 +675,25 @@ class GenerationResponse(Response):
         )
 
 
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server accepts ({limit} bytes, --max-body-bytes).",
+        code="request_too_large",
+        headers={"connection": "close"},  # the rest of the body is never read
+    )
+
+
+async def _body_within(request: Request, limit: int) -> bytes:
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:  # a body without (or beyond) its Content-Length
+            raise _too_large(limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while True:
         msg: Message = await receive()
@@ -489,7 +702,10 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 def _dumps(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate somewhere: escaped, it is still valid JSON
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 async def _send_json(send: Send, status: int, body: Any) -> None:

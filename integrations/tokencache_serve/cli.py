@@ -10,6 +10,7 @@ Defaults start offline on the bundled SmolLM2-135M-Instruct (large) and its firs
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -21,9 +22,12 @@ from . import DEFAULT_MODEL_NAME
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from .app import ServerConfig
+
 log = logging.getLogger("tokencache_serve")
 
 DESCRIPTION = "tokencache: OpenAI-compatible serving of two-model token routing"
+API_KEY_ENV = "TOKENCACHE_API_KEY"
 
 
 def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
@@ -94,6 +98,67 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
         default=1.0,
         help="temperature when the request gives none (OpenAI: 1.0; 0 = greedy)",
     )
+
+    lim = ap.add_argument_group("limits (one client cannot hold up the others)")
+    lim.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body; a larger one gets 413 before it is read (default 8 MiB)",
+    )
+    lim.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="most prompt tokens per request (400 beyond); default: what the context allows",
+    )
+    lim.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens accepted (400 beyond); default: what the context allows",
+    )
+    lim.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for a request's line and headers to arrive, else the connection is "
+        "closed (default 10)",
+    )
+    lim.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a request's whole body to arrive, else 408 (default 30)",
+    )
+    lim.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open connections; beyond, a request gets 503 and its connection is closed "
+        "(default 512)",
+    )
+    lim.add_argument(
+        "--tokenizer-threads",
+        type=int,
+        default=2,
+        help="threads for prompts (parse, tokenize) and as many for outputs (decode, stop "
+        "strings), off the event loop (default 2)",
+    )
+
+    sec = ap.add_argument_group("security")
+    sec.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); "
+        f"default: the {API_KEY_ENV} environment variable, else no key",
+    )
+    sec.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="comma-separated origins allowed by CORS (e.g. https://app.example); default: "
+        "none (browsers may not read responses from other origins)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--access-log", action="store_true", help="uvicorn's access log as well")
 
@@ -111,6 +176,46 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def api_key(a: argparse.Namespace) -> str | None:
+    key: str | None = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV)
+    return key or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def server_config(a: argparse.Namespace) -> ServerConfig:
+    from .app import ServerConfig
+
+    origins = tuple(o.strip() for o in (a.allowed_origins or "").split(",") if o.strip())
+    return ServerConfig(
+        model_name=a.served_model_name,
+        chat_max_tokens=a.max_tokens_default,
+        default_temperature=a.default_temperature,
+        max_body_bytes=a.max_body_bytes,
+        body_timeout_s=a.body_timeout,
+        max_prompt_tokens=a.max_prompt_tokens,
+        max_tokens_limit=a.max_tokens_limit,
+        api_key=api_key(a),
+        allowed_origins=origins,
+        tokenizer_threads=a.tokenizer_threads,
+    )
+
+
+def check_limits(a: argparse.Namespace) -> None:
+    for name in ("header_timeout", "body_timeout"):
+        if not getattr(a, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if a.max_connections < 1:
+        raise ValueError("--max-connections must be >= 1")
+
+
 def build_app(a: argparse.Namespace) -> Starlette:
     """Models, router, engine and app from `serve` arguments (the engine starts with the app)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -119,10 +224,12 @@ def build_app(a: argparse.Namespace) -> Starlette:
     from tokencache_routing import RoutedEngine
     from tokencache_routing.scheduler import SchedulerConfig
 
-    from .app import ServerConfig, create_app
+    from .app import create_app
     from .loading import load_models, parse_router
 
-    # Refuse a bad schedule before minutes of model loading.
+    # Refuse a bad schedule or limit before minutes of model loading.
+    check_limits(a)
+    config = server_config(a)
     scheduler = SchedulerConfig(
         max_running=a.max_running,
         min_large_batch=a.min_large_batch,
@@ -147,11 +254,6 @@ def build_app(a: argparse.Namespace) -> Starlette:
         eos_token_id=models.tokenizer.eos_token_id,
         mode=a.mode,
     )
-    config = ServerConfig(
-        model_name=a.served_model_name,
-        chat_max_tokens=a.max_tokens_default,
-        default_temperature=a.default_temperature,
-    )
     return create_app(engine, models.tokenizer, config)
 
 
@@ -161,9 +263,22 @@ def serve(a: argparse.Namespace) -> None:
     logging.basicConfig(
         level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if not is_loopback(a.host) and api_key(a) is None:
+        log.warning(
+            "serving on %s without an API key: anyone who can reach this port can generate; "
+            "set --api-key or %s",
+            a.host,
+            API_KEY_ENV,
+        )
     app = build_app(a)
     config = make_config(
-        app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.access_log
+        app,
+        header_timeout_s=a.header_timeout,
+        max_connections=a.max_connections,
+        host=a.host,
+        port=a.port,
+        log_level=a.log_level,
+        access_log=a.access_log,
     )
     try:
         DrainingServer(config).run()

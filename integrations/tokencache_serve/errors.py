@@ -16,8 +16,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers  # e.g. connection: close when the body was not read
         self.status = status
         self.message = message
         self.param = param

@@ -3,26 +3,42 @@
 The engine's driver thread calls the handle's listener after each batch of new tokens and once
 at the end; the listener only hands the request to a LoopWaker, which hops into the event loop
 (call_soon_threadsafe) and sets each woken request's asyncio.Event. The coroutine then reads what
-the handle holds, decodes it, cuts at stop strings (aborting the request in the engine at once)
-and yields chunks.
+the handle holds, decodes it and cuts at stop strings in a worker thread (a slow tokenizer never
+blocks the event loop), aborts the request in the engine at a stop string, and yields chunks.
+
+Isolation: whatever fails in one request's own work (its detokenization, stop matching) ends
+that request alone, with a GenerationError; the engine and every other request go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tokencache_routing import RequestHandle, RoutedEngine, SamplingParams
 
 from .textstream import TextStream
 
+log = logging.getLogger("tokencache_serve")
+T = TypeVar("T")
+
 
 class GenerationError(RuntimeError):
-    """The engine failed this request (finished_reason "error")."""
+    """The request ended without its answer: the engine failed it (500), the server's own work
+    on it failed (500), or it was aborted before the end, at shutdown (503). The message is
+    for the client: it never carries exception text (that goes to the log)."""
+
+    def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
 
 
 @dataclass
@@ -95,8 +111,18 @@ class Generation:
         stops: Sequence[str],
         waker: LoopWaker,
         arrival: float | None = None,
+        *,
+        pool: Executor | None = None,
+        stop_token_ids: Collection[int] = (),
     ) -> None:
+        """pool: where decoding and stop matching run (None: inline). stop_token_ids: the
+        engine's stop tokens (eos): the one that ends a request is counted in usage but not
+        shown in the extension's token_ids (it is no part of the text either)."""
         self.timing = Timing(time.perf_counter() if arrival is None else arrival)
+        self._pool = pool
+        self._stop_ids = frozenset(stop_token_ids)
+        self.visible_tokens: list[int] = []  # tokens without the ending stop token
+        self.visible_models: list[int] = []
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens
         self.tokens: list[int] = []
@@ -129,8 +155,29 @@ class Generation:
         """Stops the request in the engine (its KV is freed at the engine's next iteration)."""
         return False if self.handle.done() else self.handle.abort()
 
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._pool is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _advance(self, tokens: list[int], done: bool) -> tuple[int, bool, str]:
+        """Worker thread: decode the new tokens, look for stop strings, and return (tokens used,
+        stopped, text to send now). Only this request's own TextStream is touched."""
+        used = self._text.feed(tokens)
+        if done and not self._text.stopped:
+            self._text.finish()
+        final = done or self._text.stopped
+        return used, self._text.stopped, self._text.delta(final)
+
+    def _fail(self, message: str, status: int, code: str | None, reason: str) -> GenerationError:
+        self.abort()
+        self.finish_reason = reason  # for the server's metrics and log, never sent as such
+        self.timing.finished = time.perf_counter()
+        return GenerationError(message, status, code)
+
     async def chunks(self) -> AsyncIterator[Chunk]:
-        """New text and tokens as they come; the last chunk carries the finish reason."""
+        """New text and tokens as they come; the last chunk carries the finish reason
+        ("stop" or "length"). Raises GenerationError when the request cannot end normally."""
         h = self.handle
         while self.finish_reason is None:
             await self._event.wait()
@@ -139,8 +186,17 @@ class Generation:
             n = min(len(h.tokens), len(h.models))
             new_t, new_m = h.tokens[self._seen : n], h.models[self._seen : n]
             self._seen = n
-            used = self._text.feed(new_t)
+            try:
+                used, stopped, text = await self._run(self._advance, new_t, done)
+            except Exception:
+                log.exception("rid=%d: decoding its output failed; ending this request", self.rid)
+                raise self._fail(
+                    "The server failed to decode this request's output.", 500, None, "error"
+                ) from None
             new_t, new_m = new_t[:used], new_m[:used]
+            shown_t, shown_m = new_t, new_m
+            if shown_t and shown_t[-1] in self._stop_ids:  # the eos: it ended the request
+                shown_t, shown_m = shown_t[:-1], shown_m[:-1]
             if new_t:
                 now = time.perf_counter()
                 if self.timing.first_token is None:
@@ -148,18 +204,28 @@ class Generation:
                 self.timing.last_token = now
                 self.tokens += new_t
                 self.models += new_m
-            if self._text.stopped:
+                self.visible_tokens += shown_t
+                self.visible_models += shown_m
+            if stopped:
                 h.abort()  # a stop string: nothing after it is wanted
                 self.finish_reason = "stop"
             elif done:
-                if h.finished_reason == "error":
-                    self.finish_reason = "error"
-                    raise GenerationError(f"the engine failed this request: {h.error!r}")
-                self._text.finish()
-                stopped = h.finished_reason == "stop" or self._text.stopped
-                self.finish_reason = "stop" if stopped else str(h.finished_reason)
+                reason = h.finished_reason
+                if reason == "error":
+                    log.error("rid=%d: the engine failed it: %r", self.rid, h.error)
+                    raise self._fail("The engine failed this request.", 500, None, "error")
+                if reason not in ("stop", "length"):  # aborted, not by us: shutting down
+                    if text or shown_t:  # what was made before it, then the error
+                        yield Chunk(text, shown_t, shown_m, None)
+                    raise self._fail(
+                        "The request was aborted before it finished: the server is shutting "
+                        "down. Retry it.",
+                        503,
+                        "server_shutting_down",
+                        "abort",
+                    )
+                self.finish_reason = str(reason)
             if self.finish_reason is not None:
                 self.timing.finished = time.perf_counter()
             if new_t or self.finish_reason is not None:
-                final = self.finish_reason is not None
-                yield Chunk(self._text.delta(final), new_t, new_m, self.finish_reason)
+                yield Chunk(text, shown_t, shown_m, self.finish_reason)

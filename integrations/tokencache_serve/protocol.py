@@ -16,6 +16,9 @@ from typing import Any
 from .errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # per stop string: the stream's hold-back check is quadratic in it
+SEED_LIMIT = 2**63  # seeds in [0, 2**63): what torch.Generator.manual_seed takes as given
+_SHOWN = 64  # characters of a client's value quoted back in an error message
 
 
 @dataclass(frozen=True)
@@ -81,20 +84,84 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400 saying why not."""
+    """The body as a JSON object whose every string is valid Unicode, or a 400 saying why not.
+
+    Python's json accepts what OpenAI's parser refuses (lone surrogates from "\\ud800"
+    escapes) or cannot represent (nesting deeper than the recursion limit, integers of more
+    than 4300 digits); each is refused here, so nothing later meets it.
+    """
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(
-            f"We could not parse the JSON body of your request ({e}). The request body must be "
-            "a JSON object.",
-            code="invalid_json",
-        ) from None
+    except json.JSONDecodeError as e:
+        raise _invalid_json(f"{e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError:
+        raise _invalid_json("the body is not valid UTF-8") from None
+    except RecursionError:
+        raise _invalid_json("arrays or objects are nested too deeply") from None
+    except ValueError:  # int() refuses more than sys.get_int_max_str_digits() digits
+        raise _invalid_json("a number has too many digits") from None
     if not isinstance(body, dict):
         raise bad_request(
             f"The request body must be a JSON object, not {_json_type(body)}.", code="invalid_json"
         )
+    _check_unicode(body)
     return body
+
+
+def _invalid_json(why: str) -> APIError:
+    return bad_request(
+        f"We could not parse the JSON body of your request: {why}. The request body must be a "
+        "JSON object.",
+        code="invalid_json",
+    )
+
+
+def shown(v: object) -> str:
+    """A client's value for an error message: printable, escaped, at most _SHOWN characters."""
+    text = v if isinstance(v, str) else repr(v)
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+
+
+def _valid_unicode(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: "\ud800" is valid JSON, not valid text
+        return False
+    return True
+
+
+def _check_unicode(body: dict[str, Any]) -> None:
+    """Every key and string in the body encodes as UTF-8; else a 400 naming where (iterative:
+    the parser already bounded the depth)."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        obj, where = stack.pop()
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            if isinstance(k, str):
+                if not _valid_unicode(k):
+                    raise bad_request(
+                        f"Invalid field name {shown(k)!r}{' in ' + where if where else ''}: "
+                        "it contains a lone surrogate (not valid Unicode).",
+                        shown(f"{where}.{k}" if where else k),
+                        "invalid_value",
+                    )
+                path = f"{where}.{k}" if where else k
+            else:
+                path = f"{where}[{k}]"
+            if isinstance(v, str):
+                if not _valid_unicode(v):
+                    raise bad_request(
+                        f"Invalid '{shown(path)}': the string contains a lone surrogate (not "
+                        "valid Unicode).",
+                        shown(path),
+                        "invalid_value",
+                    )
+            elif isinstance(v, (dict, list)):
+                stack.append((v, path))
 
 
 def parse_completion(
@@ -169,7 +236,9 @@ def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for key in body:
         if key not in allowed:
             raise bad_request(
-                f"Unrecognized request argument supplied: {key}", key, "unrecognized_argument"
+                f"Unrecognized request argument supplied: {shown(key)}",
+                shown(key),
+                "unrecognized_argument",
             )
 
 
@@ -201,9 +270,13 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _type_error(name, "a number", v)
-    if not math.isfinite(v):
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond the float range
+        f = math.inf
+    if not math.isfinite(f):
         raise bad_request(f"Invalid '{name}': must be a finite number.", name, "invalid_value")
-    return float(v)
+    return f
 
 
 def _bool(body: Mapping[str, Any], name: str) -> bool:
@@ -225,9 +298,9 @@ def _common(body: Mapping[str, Any], max_key: str, default_temperature: float) -
     n = _int(body, "n")
     if n is not None and n != 1:
         if n < 1:
-            raise bad_request(f"Invalid 'n': must be >= 1, got {n}.", "n", "invalid_value")
+            raise bad_request(f"Invalid 'n': must be >= 1, got {shown(n)}.", "n", "invalid_value")
         raise bad_request(
-            f"Unsupported parameter: n = {n}; this server returns one choice per request "
+            f"Unsupported parameter: n = {shown(n)}; this server returns one choice per request "
             "(n = 1). Send several requests instead.",
             "n",
             "unsupported_parameter",
@@ -257,7 +330,7 @@ def _common(body: Mapping[str, Any], max_key: str, default_temperature: float) -
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(
             f"Invalid '{max_key}': integer below minimum value. Expected a value >= 1, but got "
-            f"{max_tokens} instead.",
+            f"{shown(max_tokens)} instead.",
             max_key,
             "integer_below_min_value",
         )
@@ -279,6 +352,12 @@ def _common(body: Mapping[str, Any], max_key: str, default_temperature: float) -
             f"Invalid 'top_p': must be in (0, 1], got {top_p}.", "top_p", "invalid_value"
         )
     seed = _int(body, "seed")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise bad_request(
+            f"Invalid 'seed': must be an integer in [0, 2**63), got {shown(seed)}.",
+            "seed",
+            "invalid_value",
+        )
 
     stream = _bool(body, "stream")
     include_usage = False
@@ -295,7 +374,9 @@ def _common(body: Mapping[str, Any], max_key: str, default_temperature: float) -
         for key in opts:
             if key != "include_usage":
                 raise bad_request(
-                    f"Unrecognized stream option: {key}", "stream_options", "unrecognized_argument"
+                    f"Unrecognized stream option: {shown(key)}",
+                    "stream_options",
+                    "unrecognized_argument",
                 )
         include_usage = _bool(opts, "include_usage")
 
@@ -326,6 +407,12 @@ def _stop(v: object) -> tuple[str, ...]:
     if any(s == "" for s in stops):
         raise bad_request(
             "Invalid 'stop': stop sequences must be non-empty.", "stop", "invalid_value"
+        )
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(
+            f"Invalid 'stop': a stop sequence may have at most {MAX_STOP_CHARS} characters.",
+            "stop",
+            "invalid_value",
         )
     return tuple(stops)
 
@@ -372,7 +459,7 @@ def _messages(v: object) -> list[dict[str, str]]:
             raise _type_error(f"{where}.role", "a string", role)
         if role not in CHAT_ROLES:
             raise bad_request(
-                f"Invalid value for '{where}.role': {role!r}; supported roles are "
+                f"Invalid value for '{where}.role': {shown(role)!r}; supported roles are "
                 f"{', '.join(CHAT_ROLES)}.",
                 f"{where}.role",
                 "invalid_value",
@@ -394,7 +481,8 @@ def _content(v: object, where: str) -> str:
                 raise _type_error(f"{where}[{j}]", "an object", part)
             if part.get("type") != "text":
                 raise bad_request(
-                    f"Unsupported content part type {part.get('type')!r} in '{where}[{j}]': "
+                    f"Unsupported content part type {shown(part.get('type'))!r} in "
+                    f"'{where}[{j}]': "
                     "this server takes text only.",
                     f"{where}[{j}].type",
                     "unsupported_parameter",

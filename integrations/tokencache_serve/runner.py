@@ -1,19 +1,98 @@
-"""Running the app under uvicorn: a shutdown that drains, then aborts what is left; and a
-server on a free loopback port in a background thread (tests, benchmark)."""
+"""Running the app under uvicorn: a shutdown that drains, then aborts what is left; slow or
+too many connections refused at the HTTP layer; and a server on a free loopback port in a
+background thread (tests, benchmark)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
 from types import TracebackType
 from typing import Any
 
+import h11
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 DRAIN_S = 5.0
+HEADER_TIMEOUT_S = 10.0  # a request head (request line and headers) must arrive within this
+MAX_CONNECTIONS = 512  # open connections; one more is answered 503 and closed
+
+
+async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
+    """The answer to a connection over the cap, in OpenAI's error format."""
+    body = json.dumps(
+        {
+            "error": {
+                "message": "The server has too many open connections; retry later.",
+                "type": "server_error",
+                "param": None,
+                "code": "too_many_connections",
+            }
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        (b"retry-after", b"1"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def guarded_protocol(header_timeout_s: float | None, max_connections: int | None) -> type:
+    """uvicorn's h11 protocol with a request-head timeout and a connection cap.
+
+    A connection whose request head is not complete header_timeout_s after it opened (or after
+    its previous response) is closed: slow or silent clients cannot hold connections open.
+    uvicorn's own limit_concurrency counts tasks too and answers in plain text; this one
+    counts open connections and answers 503 in OpenAI's format.
+    """
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if max_connections is not None and len(self.connections) > max_connections:
+                self.app = _overloaded
+            self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
+                self._cancel_header_timer()  # the request head is in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()  # the next request's head has the same deadline
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            if header_timeout_s is not None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._header_late)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_late(self) -> None:
+            self._header_timer = None
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # nothing to answer: no request has begun
+
+    return GuardedH11Protocol
 
 
 class DrainingServer(uvicorn.Server):
@@ -38,9 +117,21 @@ class DrainingServer(uvicorn.Server):
                 timer.cancel()
 
 
-def make_config(app: ASGIApp, drain_s: float = DRAIN_S, **kw: Any) -> uvicorn.Config:
-    """uvicorn.Config whose graceful-shutdown timeout leaves room for the drain and the aborts."""
-    return uvicorn.Config(app, timeout_graceful_shutdown=int(drain_s) + 5, **kw)
+def make_config(
+    app: ASGIApp,
+    drain_s: float = DRAIN_S,
+    header_timeout_s: float | None = HEADER_TIMEOUT_S,
+    max_connections: int | None = MAX_CONNECTIONS,
+    **kw: Any,
+) -> uvicorn.Config:
+    """uvicorn.Config whose graceful-shutdown timeout leaves room for the drain and the aborts,
+    over the guarded h11 protocol (None: no header timeout / no connection cap)."""
+    return uvicorn.Config(
+        app,
+        timeout_graceful_shutdown=int(drain_s) + 5,
+        http=guarded_protocol(header_timeout_s, max_connections),
+        **kw,
+    )
 
 
 class BackgroundServer:
@@ -52,13 +143,22 @@ class BackgroundServer:
         host: str = "127.0.0.1",
         log_level: str = "warning",
         drain_s: float = DRAIN_S,
+        header_timeout_s: float | None = HEADER_TIMEOUT_S,
+        max_connections: int | None = MAX_CONNECTIONS,
     ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))  # port 0: the OS picks a free one
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        config = make_config(app, drain_s, log_level=log_level, access_log=False)
+        config = make_config(
+            app,
+            drain_s,
+            header_timeout_s,
+            max_connections,
+            log_level=log_level,
+            access_log=False,
+        )
         self.server = DrainingServer(config, drain_s)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True

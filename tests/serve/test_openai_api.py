@@ -37,6 +37,11 @@ def expected_text(tok: Any, tokens: list[int]) -> str:
     return str(tok.decode(tokens, skip_special_tokens=True))
 
 
+def visible(tok: Any, tokens: list[int]) -> list[int]:
+    """The extension's token_ids: the eos that ended a request is counted in usage, not shown."""
+    return tokens[:-1] if tokens and tokens[-1] == tok.eos_token_id else tokens
+
+
 def test_models_and_health(served: Served) -> None:
     models = served.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -57,8 +62,9 @@ def test_completions_match_generate(served: Served, reference: Any, as_text: boo
         r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
         (choice,) = r.choices
         x = ext(choice)
-        assert x["token_ids"] == reference.tokens[i]
-        assert x["large_token_mask"] == reference.models[i]
+        shown = visible(served.tokenizer, reference.tokens[i])
+        assert x["token_ids"] == shown
+        assert x["large_token_mask"] == reference.models[i][: len(shown)]
         assert choice.text == expected_text(served.tokenizer, reference.tokens[i])
         assert choice.finish_reason == reference.finished_reasons[i]
         assert r.usage.prompt_tokens == len(p)
@@ -92,11 +98,12 @@ def test_completions_stream_matches_generate(served: Served, reference: Any) -> 
             tokens += ext(choice)["token_ids"]
             mask += ext(choice)["large_token_mask"]
             reasons.append(choice.finish_reason)
-        assert tokens == reference.tokens[i] and mask == reference.models[i]
+        shown = visible(served.tokenizer, reference.tokens[i])
+        assert tokens == shown and mask == reference.models[i][: len(shown)]
         assert text == expected_text(served.tokenizer, reference.tokens[i])
         assert reasons[-1] == reference.finished_reasons[i]
         assert all(r is None for r in reasons[:-1])
-        assert usage is not None and usage.completion_tokens == len(tokens)
+        assert usage is not None and usage.completion_tokens == len(reference.tokens[i])
 
 
 def chat_prompt(tok: Any, content: str) -> list[int]:
@@ -121,10 +128,12 @@ def test_chat_matches_generate(served: Served, tiny: Any, stream: bool) -> None:
             (choice,) = r.choices
             assert choice.message.role == "assistant"
             assert choice.message.content == expected_text(tok, ref.tokens[i])
-            assert ext(choice)["token_ids"] == ref.tokens[i]
-            assert ext(choice)["large_token_mask"] == ref.models[i]
+            shown = visible(tok, ref.tokens[i])
+            assert ext(choice)["token_ids"] == shown
+            assert ext(choice)["large_token_mask"] == ref.models[i][: len(shown)]
             assert choice.finish_reason == ref.finished_reasons[i]
             assert r.usage.prompt_tokens == len(chat_prompt(tok, content))
+            assert r.usage.completion_tokens == len(ref.tokens[i])  # the eos is generated work
             assert r.object == "chat.completion"
             continue
         chunks = list(
@@ -136,7 +145,7 @@ def test_chat_matches_generate(served: Served, tiny: Any, stream: bool) -> None:
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
         tokens = [t for ch in chunks[1:] for t in ext(ch.choices[0]).get("token_ids", [])]
         assert text == expected_text(tok, ref.tokens[i])
-        assert tokens == ref.tokens[i]
+        assert tokens == visible(tok, ref.tokens[i])
         assert chunks[-1].choices[0].finish_reason == ref.finished_reasons[i]
         assert all(ch.object == "chat.completion.chunk" for ch in chunks)
 
