@@ -110,7 +110,78 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     # wrong model, path or method
     (C, good(model="gpt-4"), 404, "model_not_found", "model"),
     ("/v1/embeddings", good(), 404, None, None),
+    # values the engine cannot use, refused before it sees them (a seed beyond 64 bits once
+    # failed the sampling step of every request in its batch)
+    (C, good(seed=2**64, temperature=1), 400, "invalid_value", "seed"),
+    (C, good(seed=1e20, temperature=1), 400, "invalid_value", "seed"),
+    (C, good(seed=2**63), 400, "invalid_value", "seed"),
+    (C, good(seed=-1), 400, "invalid_value", "seed"),
+    (C, good(temperature=10**400), 400, "invalid_value", "temperature"),
+    (C, good(top_p=10**400), 400, "invalid_value", "top_p"),
+    (C, good(presence_penalty=-(10**400)), 400, "invalid_value", "presence_penalty"),
+    (C, good(max_tokens=10**4000), 400, "context_length_exceeded", "max_tokens"),
+    (C, good(prompt=[5, 10**4000]), 400, "invalid_value", "prompt"),
+    (C, good(stop=["x" * 257]), 400, "invalid_value", "stop"),
+    (C, good(n=10**4000), 400, "unsupported_parameter", "n"),
 ]
+
+# Bodies Python's json parses but no text can hold, or cannot parse at all (each once a 500
+# with the exception's text in it).
+RAW_CASES: list[tuple[str, bytes, str | None, str | None]] = [
+    (
+        C,
+        b'{"model": "tiny-routed", "prompt": "a\\ud800b", "max_tokens": 2}',
+        "invalid_value",
+        "prompt",
+    ),
+    (C, b'{"model": "tiny-routed", "prompt": ["\\udfff"]}', "invalid_value", "prompt[0]"),
+    (C, b'{"model": "\\ud800", "prompt": [5]}', "invalid_value", "model"),
+    (C, b'{"model": "tiny-routed", "prompt": [5], "\\ud800": 1}', "invalid_value", "\\ud800"),
+    (
+        CHAT,
+        b'{"model": "tiny-routed", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+        "invalid_value",
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        b'{"model": "tiny-routed", "messages": [{"role": "user", "content": '
+        b'[{"type": "text", "text": "\\udc00"}]}]}',
+        "invalid_value",
+        "messages[0].content[0].text",
+    ),
+    (CHAT, b'{"model": "tiny-routed", "messages": [{"role": "\\ud800"}]}', "invalid_value", None),
+    (C, b"[" * 100_000, "invalid_json", None),
+    (C, b'{"a": ' * 100_000, "invalid_json", None),
+    (
+        C,
+        b'{"model": "tiny-routed", "prompt": [5], "seed": ' + b"9" * 5000 + b"}",
+        "invalid_json",
+        None,
+    ),
+    (
+        C,
+        b'{"model": "tiny-routed", "prompt": [5], "max_tokens": 1' + b"0" * 5000 + b"}",
+        "invalid_json",
+        None,
+    ),
+    (
+        C,
+        b'{"model": "tiny-routed", "prompt": [5], "temperature": NaN}',
+        "invalid_value",
+        "temperature",
+    ),
+    (
+        C,
+        b'{"model": "tiny-routed", "prompt": [5], "temperature": 1e999}',
+        "invalid_value",
+        "temperature",
+    ),
+    (C, b'\xff\xfe{"model": 1}', "invalid_json", None),
+    (C, b'{"model": "tiny-routed", "prompt": "\xc3\x28"}', "invalid_json", None),
+]
+# What an exception's text looks like; no response body may contain any of it.
+LEAKS = ("Traceback", "Error:", "Exception", "int_max_str_digits", "recursion", "ValueError")
 
 
 def check_error(
@@ -146,6 +217,18 @@ def test_bad_requests(served: Served) -> None:
     # the server keeps serving: same answer as before, engine idle
     again = post_json(served.url, C, good())
     assert again[0] == 200 and again[1]["choices"][0]["text"] == ok[1]["choices"][0]["text"]
+    served.wait_idle()
+
+
+def test_malformed_bodies_get_a_400_naming_the_field(served: Served) -> None:
+    before = len(served.handles)
+    for path, raw, code, param in RAW_CASES:
+        status, got = post_raw(served.url, path, raw)
+        check_error(status, got, 400, code, param)
+        text = json.dumps(got)
+        assert not any(leak in text for leak in LEAKS), got
+    assert len(served.handles) == before  # none reached the engine
+    assert post_json(served.url, C, good())[0] == 200
     served.wait_idle()
 
 
