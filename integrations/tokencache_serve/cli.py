@@ -190,6 +190,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def warn_if_exposed(host: str, key: str | None) -> bool:
+    """Logs a warning (and returns True) for a non-loopback host served without a key."""
+    if is_loopback(host) or key is not None:
+        return False
+    log.warning(
+        "serving on %s without an API key: anyone who can reach this port can generate; "
+        "set --api-key or %s",
+        host,
+        API_KEY_ENV,
+    )
+    return True
+
+
 def server_config(a: argparse.Namespace) -> ServerConfig:
     from .app import ServerConfig
 
@@ -263,13 +276,7 @@ def serve(a: argparse.Namespace) -> None:
     logging.basicConfig(
         level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not is_loopback(a.host) and api_key(a) is None:
-        log.warning(
-            "serving on %s without an API key: anyone who can reach this port can generate; "
-            "set --api-key or %s",
-            a.host,
-            API_KEY_ENV,
-        )
+    warn_if_exposed(a.host, api_key(a))
     app = build_app(a)
     config = make_config(
         app,
