@@ -223,6 +223,11 @@ def run(
     systems = system_prompts_of(prompts, shared)
     own = max(len(q) for q in prompts) - shared + max_new
     slots = len(systems) * shared + sched.max_admitted * own + 1024
+    # What host time the clock charges (issue 20's RoutedEngine(host_charge=...)); not given:
+    # the engine's default (an engine without the knob charges only the trees).
+    charge: dict[str, Any] = {}
+    if getattr(a, "host_charge", None) is not None:
+        charge["host_charge"] = a.host_charge
     eng = RoutedEngine(
         small,
         large,
@@ -233,6 +238,7 @@ def run(
         clock=clock,
         mode=mode,
         topology=a.topology,
+        **charge,
     )
     # Prime both trees with every system prompt (a server's steady state), then measure.
     eng.sched.router = ScriptedRouter(every=True)
@@ -276,6 +282,7 @@ def run(
     sizes, toks, kvs = st.catchup_batch_sizes, st.catchup_tokens, st.catchup_kv_tokens
     prefixes = st.catchup_shared_prefix
     extra: dict[str, Any] = {"topology": eng.topology, "system_prompts": len(systems)}
+    extra["host_charge"] = getattr(eng, "host_charge", "trees")
     large_s, floor = st.large_forward_s, 0.0
     if gpu is not None:
         rows4 = list(zip(sizes, toks, kvs, prefixes, strict=True))
@@ -509,9 +516,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--no-bounds", action="store_true", help="skip small/large alone, ideal and ceiling"
     )
+    ap.add_argument(
+        "--host-charge",
+        default=None,
+        help="RoutedEngine's host_charge, where the engine has it (issue 20: serial, overlap or "
+        "trees); default: the engine's",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out/routing", help="folder for bench.json, bench.png")
+    ap.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: report (tables, plots) the rows of earlier runs' bench.json, merged",
+    )
     a = ap.parse_args(argv)
     if a.system_prompts < 1:
         ap.error(f"--system-prompts must be >= 1, got {a.system_prompts}")
@@ -528,13 +548,63 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-# The engine clock charges forwards and tree time; the engine's other host work per step is
-# not on it until the host-path issue (20) lands: the report says so.
-HOST_NOTE = "host time outside the trees not charged"
+def host_note(rows: Sequence[Row]) -> str:
+    """What host time the clock line's clock charges: an engine without host_charge (before
+    issue 20) charges the trees only, and the report says so."""
+    charges = sorted({r.extra.get("host_charge", "trees") for r in rows if r.system in SYSTEMS})
+    if charges in ([], ["trees"]):
+        return "host time outside the trees not charged"
+    return f"host time charged: {'/'.join(charges)} (RoutedEngine host_charge)"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.from_json:
+        rows, args = load_rows(a.from_json)
+    else:
+        rows, args = measure(a, out)
+    if not args.get("no_bounds"):
+        for at_point in dict.fromkeys(point(r) for r in rows if r.system not in LIMITS):
+            for p in sorted({r.p for r in rows if r.system not in BOUNDS}):
+                for kind in LIMITS:
+                    known = any((point(r), r.p, r.system) == (at_point, p, kind) for r in rows)
+                    r = None if known else limit_row(rows, at_point, p, kind)
+                    if r is not None:
+                        rows.append(r)
+    order = {s: i for i, s in enumerate([*BOUNDS, *LIMITS, *SYSTEMS])}
+    rows.sort(
+        key=lambda r: (
+            r.workload,
+            r.max_running,
+            r.context,
+            r.p if r.system not in BOUNDS else -1,
+            order[r.system],
+        )
+    )
+    report(rows, args)
+    (out / "bench.json").write_text(
+        json.dumps({"args": args, "partial": False, "rows": [asdict(r) for r in rows]}, indent=1)
+    )
+    from .bench_plots import plot_concurrency, plot_length
+
+    cs = sorted({r.max_running for r in rows})
+    news = sorted({r.max_new for r in rows})
+    plots = []
+    if len(cs) > 1 and plot_concurrency(rows, out / "bench_concurrency.png"):
+        plots.append(out / "bench_concurrency.png")
+    if len(news) > 1 and plot_length(rows, out / "bench_length.png"):
+        plots.append(out / "bench_length.png")
+    if len(cs) == 1 and len(news) == 1 and plot(rows, out / "bench.png"):
+        plots.append(out / "bench.png")
+    for path in plots:
+        print(f"\nplot: {path}")
+    print(f"json: {out / 'bench.json'}")
+
+
+def measure(a: argparse.Namespace, out: Path) -> tuple[list[Row], dict[str, Any]]:
+    """Runs every job of the command line; bench.json is rewritten after every row."""
     from tokencache_extras import require_or_exit
 
     require_or_exit("torch", "tokencache_models", extra="routing", prog="tokencache_routing.bench")
@@ -558,9 +628,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     jobs: list[tuple[Workload, int, float, str]] = []
     for w in points:
         for c in a.concurrency:
-            if not a.no_bounds:
-                jobs += [(w, c, 0.0, s) for s in BOUNDS]
-            jobs += [(w, c, p, s) for p in a.rates for s in a.dispatches]
+            bounds = [] if a.no_bounds else [(w, c, 0.0, s) for s in BOUNDS]
+            routed = [(w, c, p, s) for p in a.rates for s in a.dispatches]
+            # Long generations take minutes a row: the routed systems first (as given), so a
+            # run cut short keeps the comparison. Rows are independent: order changes nothing.
+            jobs += bounds + routed if w.name == "shared-prompt" else routed + bounds
+    args = {k: v for k, v in vars(a).items() if k != "points"}
+    args["workloads"] = [asdict(w) for w in points]
     bar = tqdm(jobs, desc="routing bench", file=sys.stderr) if tqdm else jobs
     rows: list[Row] = []
     for w, c, p, system in bar:
@@ -568,71 +642,65 @@ def main(argv: Sequence[str] | None = None) -> None:
         n = a.requests_per_slot * c
         prompts = make_prompts(n, w.shared, w.unique, 512, a.seed, a.system_prompts)
         rows.append(run(system, p, prompts, w.shared, w.max_new, models, at, w.name))
-    if not a.no_bounds:
-        for at_point in dict.fromkeys(point(r) for r in rows):
-            for p in a.rates:
-                for kind in LIMITS:
-                    r = limit_row(rows, at_point, p, kind)
-                    if r is not None:
-                        rows.append(r)
-    order = {s: i for i, s in enumerate([*BOUNDS, *LIMITS, *SYSTEMS])}
-    rows.sort(
-        key=lambda r: (
-            r.workload,
-            r.max_running,
-            r.context,
-            r.p if r.system not in BOUNDS else -1,
-            order[r.system],
-        )
-    )
+        # A long run cut short keeps its rows (--from-json reports them).
+        data = {"args": args, "partial": True, "rows": [asdict(r) for r in rows]}
+        (out / "bench.json").write_text(json.dumps(data, indent=1))
+    return rows, args
+
+
+def load_rows(paths: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
+    """Rows of earlier runs' bench.json files (merged: say, one run per output length), and
+    the first file's arguments with each workload and concurrency of them all."""
+    rows: list[Row] = []
+    args: dict[str, Any] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        rows += [Row(**r) for r in data["rows"] if r["system"] not in LIMITS]
+        mine = data["args"]
+        if not args:
+            args = dict(mine)
+            args["workloads"], args["concurrency"] = [], []
+        args["workloads"] += [w for w in mine["workloads"] if w not in args["workloads"]]
+        args["concurrency"] += [c for c in mine["concurrency"] if c not in args["concurrency"]]
+        args["no_bounds"] = args["no_bounds"] and mine["no_bounds"]
+    args["from_json"] = list(paths)
+    return rows, args
+
+
+def report(rows: list[Row], args: dict[str, Any]) -> None:
+    """The clock line, each workload's shape, one table per (workload, concurrency), then the
+    sweeps' summaries and the breakdown."""
     clock = next((r.clock for r in rows if r.system not in (*BOUNDS, "threaded")), "wall")
-    cs = a.concurrency
-    news = sorted({w.max_new for w in points})
+    cs = sorted({r.max_running for r in rows})
+    news = sorted({r.max_new for r in rows})
+    rps = args["requests_per_slot"]
     n_text = (
-        f"{a.requests_per_slot * cs[0]} requests, max_running {cs[0]}"
+        f"{rps * cs[0]} requests, max_running {cs[0]}"
         if len(cs) == 1
-        else f"{a.requests_per_slot} x C requests, max_running C in {cs}"
+        else f"{rps} x C requests, max_running C in {cs}"
     )
+    k = args["system_prompts"]
     print(
-        f"clock: {clock} + bookkeeping measured here ({HOST_NOTE}); threaded rows: wall time "
+        f"clock: {clock} + bookkeeping measured here ({host_note(rows)}); threaded rows: wall time "
         f"on this CPU. {n_text}, {'/'.join(map(str, news))} new tokens each, "
-        f"min_large_batch {a.min_large_batch}, max_wait {a.max_wait} steps, "
-        f"min_occupancy {a.min_occupancy}, topology {a.topology}, "
-        f"{a.system_prompts} system prompt{'s' if a.system_prompts > 1 else ''}"
+        f"min_large_batch {args['min_large_batch']}, max_wait {args['max_wait']} steps, "
+        f"min_occupancy {args['min_occupancy']}, topology {args['topology']}, "
+        f"{k} system prompt{'s' if k > 1 else ''}"
     )
-    for w in points:
-        print(w.describe())
+    for w in args["workloads"]:
+        print(Workload(**w).describe())
     groups = list(dict.fromkeys((r.workload, r.max_running) for r in rows))
     for wl, c in groups:
         if len(groups) > 1:
-            print(f"\n{wl}, concurrency {c} ({a.requests_per_slot * c} requests):")
+            print(f"\n{wl}, concurrency {c} ({rps * c} requests):")
         print()
         print(table([r for r in rows if (r.workload, r.max_running) == (wl, c)]))
     if len(cs) > 1:
         print(sweep_table(rows))
     if len(news) > 1:
         print(length_table(rows))
-    if a.breakdown_steps:
+    if args["breakdown_steps"]:
         print(breakdown_table(rows))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    args = {k: v for k, v in vars(a).items() if k != "points"}
-    args["workloads"] = [asdict(w) for w in points]
-    (out / "bench.json").write_text(
-        json.dumps({"args": args, "rows": [asdict(r) for r in rows]}, indent=1)
-    )
-    from .bench_plots import plot_concurrency, plot_length
-
-    plots = []
-    if len(cs) > 1 and plot_concurrency(rows, out / "bench_concurrency.png"):
-        plots.append(out / "bench_concurrency.png")
-    if len(news) > 1 and plot_length(rows, out / "bench_length.png"):
-        plots.append(out / "bench_length.png")
-    if len(cs) == 1 and len(news) == 1 and plot(rows, out / "bench.png"):
-        plots.append(out / "bench.png")
-    for path in plots:
-        print(f"\nplot: {path}")
-    print(f"json: {out / 'bench.json'}")
 
 
 if __name__ == "__main__":
