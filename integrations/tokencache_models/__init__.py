@@ -22,7 +22,7 @@ from .loader import (
     random_model,
     truncate_model,
 )
-from .model import CausalLM, ForwardOutput
+from .model import CausalLM, ForwardOutput, PreparedStep
 from .prefix_groups import (
     MAX_PREFIX_GROUPS,
     PrefixGroup,
@@ -32,6 +32,7 @@ from .prefix_groups import (
 )
 from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 from .runner import GreedyRunner
+from .slot_table import SlotTable
 
 __all__ = [
     "MAX_PREFIX_GROUPS",
@@ -52,7 +53,9 @@ __all__ = [
     "ModelConfig",
     "PrefixGroup",
     "PrefixShape",
+    "PreparedStep",
     "SlotAllocator",
+    "SlotTable",
     "TorchPagedAttention",
     "TritonPagedAttention",
     "empty_model",

@@ -83,10 +83,10 @@ class HostBatch:
 
     Row i attends over kv_slots[kv_starts[i] : kv_starts[i] + kv_lens[i]], which ends with its
     new tokens' out_slots. kv_slots is either a slot list concatenated for this forward
-    (ForwardBatch) or the flat host view of the engine's slot table (`table`), whose rows
-    already hold every request's slots: then nothing here is O(context), and the table itself
-    is what the kernels read on the device. `groups`: the shared-prefix candidates the table
-    keeps (SlotTable.prefix_groups), used instead of a search of the slot lists.
+    (ForwardBatch) or the flat host view of the engine's slot table (`table`, rows `rows`),
+    whose rows already hold every request's slots: then nothing here is O(context), the table
+    itself is what the kernels read on the device, and shared-prefix candidates come from the
+    facts the table keeps per row (SlotTable.prefix_groups) instead of a search of slot lists.
     """
 
     token_ids: np.ndarray
@@ -98,7 +98,7 @@ class HostBatch:
     kv_lens: np.ndarray
     num_real: int  # requests [0, num_real) are real; the rest are padding rows
     table: SlotTable | None = None
-    groups: list[PrefixGroup] | None = None
+    rows: np.ndarray | None = None  # the real rows' slot-table rows (with `table`)
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> HostBatch:
@@ -140,7 +140,7 @@ class HostBatch:
             kv_lens=kv_lens,
             num_real=len(rows),
             table=table,
-            groups=table.prefix_groups(rows, kv_lens - np.diff(q_offsets)),
+            rows=rows,
         )
 
     @property
@@ -168,12 +168,15 @@ class HostBatch:
         """The groups of real rows whose common slot-list prefix the shared-prefix kernel of
         `shape` reads once, where that pays (prefix_groups.paying_groups); padding rows excluded.
         From the table's kept facts when there is one, else a search of the slot lists."""
+        return paying_groups(self.candidate_groups(), self.q_offsets, shape, self.is_decode)
+
+    def candidate_groups(self) -> list[PrefixGroup]:
+        """The real rows' shared-prefix groups before paying_groups' verdict."""
         n = self.num_real
-        groups = self.groups
-        if groups is None:
-            caps = self.kv_lens[:n] - self.q_lens[:n]
-            groups = groups_over_rows(self.kv_slots, self.kv_starts[:n], caps)
-        return paying_groups(groups, self.q_offsets, shape, self.is_decode)
+        caps = self.kv_lens[:n] - self.q_lens[:n]
+        if self.table is not None and self.rows is not None:
+            return self.table.prefix_groups(self.rows[:n], caps)
+        return groups_over_rows(self.kv_slots, self.kv_starts[:n], caps)
 
     def padded(self, rows: int, scratch_slot: int) -> HostBatch:
         """Appends decode padding rows up to `rows`: token 0 at position 0, writing and reading

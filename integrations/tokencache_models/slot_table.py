@@ -33,10 +33,6 @@ from .prefix_plan import MIN_SHARED_PREFIX
 MAX_LEVELS = 16
 
 
-class SlotTableFull(MemoryError):
-    """Every row of the table is held: admit fewer requests at once (or make it larger)."""
-
-
 class SlotTable:
     def __init__(
         self,

@@ -7,9 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from tokencache_models import ForwardBatch, ForwardOutput
+from tokencache_models import ForwardOutput, HostBatch
 
 from .clock import NO_PREFIX, PrefixRead
 from .kv import KVHandle, ModelSide
@@ -102,27 +101,40 @@ class PreparedForward:
     kv_lens: np.ndarray  # per request: context after this forward
     tokens: np.ndarray
     new_slots: np.ndarray
-    fb: ForwardBatch
+    host: HostBatch  # the forward over the side's slot-table rows (new slots already in them)
     done: bool = False
     # The prefix groups a shared-prefix runner reads once and their traffic (GpuClock.prefix_of);
     # set by the engine when its GPU clock models one (NO_PREFIX: none, or not asked)
     shared_prefix: PrefixRead = NO_PREFIX
+    # Measured by run() on the side's timer: the runner's host preparation (context, tables,
+    # the copy) and the time spent inside its device work (host time is the rest of a step).
+    prepare_s: float = 0.0
+    execute_host_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
         return int(self.q_off[-1])
 
     def run(self) -> tuple[ForwardOutput, float]:
-        t0 = time.perf_counter()
-        out = self.side.model(self.fb, self.side.pool)
-        self.side.sync()  # measuring on CUDA: the forward's GPU time, not its launch time
-        return out, time.perf_counter() - t0
+        """The forward; returns its output and its device time (on CUDA synchronised, so the
+        GPU time and not the launch time). The runner's host preparation before it is timed
+        apart into prepare_s."""
+        model, timer = self.side.model, self.side.timer
+        t0 = timer()
+        step = model.prepare(self.host, self.side.pool)
+        self.prepare_s = timer() - t0
+        t1, w1 = timer(), time.perf_counter()
+        out = model.execute(step)
+        self.side.sync()
+        w2 = time.perf_counter()
+        self.execute_host_s = timer() - t1
+        return out, w2 - w1
 
     def commit(self) -> None:
         """Handles extended in one call (duplicates of cached tokens freed by the handles)."""
         if self.done:
             raise RuntimeError("forward already committed or discarded")
-        type(self.handles[0]).commit_many(  # type: ignore[attr-defined]
+        self.handles[0].commit_many(
             self.side, self.handles, self.q_off, self.tokens, self.new_slots
         )
         self.done = True
@@ -134,26 +146,26 @@ class PreparedForward:
 
 
 def prepare_forward(side: ModelSide, batch: Sequence[Request], kind: int) -> PreparedForward:
-    """A forward over every request's tokens not yet in this model's KV (room already made)."""
+    """A forward over every request's tokens not yet in this model's KV (room already made).
+    O(batch + new tokens): the new slots are appended to the requests' slot-table rows, which
+    the runner reads in place; nothing is copied per context token."""
+    n = len(batch)
     handles = [r.kv[kind] for r in batch]
-    starts = np.fromiter((h.length for h in handles), np.int64, len(batch))
-    ends = np.fromiter((r.n for r in batch), np.int64, len(batch))
-    q_off = np.zeros(len(batch) + 1, dtype=np.int64)
-    np.cumsum(ends - starts, out=q_off[1:])
-    tokens = np.concatenate([r.seq[s:e] for r, s, e in zip(batch, starts, ends, strict=True)])
-    positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-    new_slots = side.alloc(int(q_off[-1]))
-    parts: list[np.ndarray] = []
-    for i, h in enumerate(handles):  # each request: its kept slot row, then its new slots
-        parts += (h.slots(), new_slots[q_off[i] : q_off[i + 1]])
-    kv_off = np.zeros(len(batch) + 1, dtype=np.int64)
-    np.cumsum(ends, out=kv_off[1:])
-    fb = ForwardBatch(
-        token_ids=torch.from_numpy(tokens),
-        positions=torch.from_numpy(positions),
-        out_slots=torch.from_numpy(new_slots),
-        q_offsets=torch.from_numpy(q_off),
-        kv_slots=torch.from_numpy(np.concatenate(parts)),
-        kv_offsets=torch.from_numpy(kv_off),
-    )
-    return PreparedForward(side, list(batch), handles, q_off, ends, tokens, new_slots, fb)
+    starts = np.fromiter((h.length for h in handles), np.int64, n)
+    ends = np.fromiter((r.n for r in batch), np.int64, n)
+    rows = np.fromiter((h.row for h in handles), np.int64, n)
+    q_lens = ends - starts
+    q_off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=q_off[1:])
+    total = int(q_off[-1])
+    if total == n:  # decode: each request's last token at its last position
+        tokens = np.fromiter((r.seq[r.n - 1] for r in batch), np.int64, n)
+        positions, token_rows = starts, rows
+    else:
+        tokens = np.concatenate([r.seq[s:e] for r, s, e in zip(batch, starts, ends, strict=True)])
+        positions = np.repeat(starts - q_off[:-1], q_lens) + np.arange(total, dtype=np.int64)
+        token_rows = np.repeat(rows, q_lens)
+    new_slots = side.alloc(total)
+    side.table.scatter(token_rows, positions, new_slots)
+    host = HostBatch.from_table(side.table, rows, tokens, positions, new_slots, q_off, ends)
+    return PreparedForward(side, list(batch), handles, q_off, ends, tokens, new_slots, host)

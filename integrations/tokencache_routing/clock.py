@@ -43,6 +43,7 @@ import numpy as np
 from tokencache_models import (
     MIN_SHARED_PREFIX,
     PRESETS,
+    HostBatch,
     ModelConfig,
     PrefixGroup,
     PrefixShape,
@@ -336,6 +337,13 @@ class GpuClock:
             return NO_PREFIX
         slots, kv_off, q_off = _np64(kv_slots), _np64(kv_offsets), _np64(q_offsets)
         return self.prefix_read(kind, find_prefix_groups(slots, kv_off, q_off), q_off)
+
+    def prefix_of_host(self, kind: int, host: HostBatch) -> PrefixRead:
+        """prefix_of for a forward the engine prepared: its candidate groups come from the
+        slot table's kept facts (HostBatch.candidate_groups), not a search of slot lists."""
+        if not self.shared_prefix:
+            return NO_PREFIX
+        return self.prefix_read(kind, host.candidate_groups(), host.q_offsets)
 
     def prefix_read(
         self, kind: int, groups: Sequence[PrefixGroup], q_offsets: np.ndarray

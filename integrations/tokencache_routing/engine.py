@@ -50,6 +50,7 @@ from .state import (
 )
 
 # "naive-sglang": the naive protocol through SGLang's own RadixCache (naive_sglang.py).
+HOST_CHARGES = ("serial", "overlap", "trees")
 DISPATCHES = ("tokencache", "naive", "naive-sglang")
 CLOCKS = ("steps", "measured", "gpu")
 TOPOLOGIES = ("one-device", "two-devices")
@@ -82,7 +83,10 @@ class RoutedEngine:
         topology: str | None = None,
         small_device: str | torch.device | None = None,
         large_device: str | torch.device | None = None,
+        host_charge: str = "serial",
     ) -> None:
+        if host_charge not in HOST_CHARGES:
+            raise ValueError(f"host_charge must be one of {HOST_CHARGES}, got {host_charge!r}")
         if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch must be one of {', '.join(map(repr, DISPATCHES))}")
         if mode not in ("events", "threaded"):
@@ -124,6 +128,7 @@ class RoutedEngine:
         self.eos_token_id = eos_token_id
         self.topology = topology
         self.large_step_cost = float(cost)
+        self.host_charge = host_charge
         self.gpu_clock = (
             GpuClock() if clock == "gpu" else clock if isinstance(clock, GpuClock) else None
         )
@@ -646,16 +651,15 @@ class RoutedEngine:
         return s.launch_due(waited_out, own_device=self.topology == "two-devices")
 
     def _cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
-        """The forward's cost on the engine clock. Every dispatch (tokencache, naive,
+        """The forward's device cost on the engine clock. Every dispatch (tokencache, naive,
         naive-sglang) is priced here, on the same modelled runner. A GPU clock whose runner
         reads shared prefixes once gets the forward's prefix groups and their traffic
-        (GpuClock.prefix_of, recorded on prep for the stats), found here, outside the
-        bookkeeping timers: the runner's own host work, not tree work."""
+        (GpuClock.prefix_of_host, recorded on prep for the stats); finding them is host work
+        the modelled runner does too, so it is timed with the step's host time."""
         clock = self.gpu_clock
         if clock is not None:
             if clock.shared_prefix:
-                fb = prep.fb
-                prep.shared_prefix = clock.prefix_of(kind, fb.kv_slots, fb.kv_offsets, fb.q_offsets)
+                prep.shared_prefix = clock.prefix_of_host(kind, prep.host)
             kv = int(prep.kv_lens.sum())
             batch, tokens = len(prep.batch), prep.num_tokens
             return clock.forward_s(kind, batch, tokens, kv, prep.shared_prefix)
@@ -663,12 +667,24 @@ class RoutedEngine:
             return measured_s
         return 1.0 if kind == SMALL else self.large_step_cost
 
-    def _host_s(self) -> float:
-        """Bookkeeping so far: real host time on any machine, so the measured and GPU clocks
-        charge it (the step clock stays a pure function of the schedule)."""
-        if self.clock == "steps":
-            return 0.0
+    def _tree_s(self) -> float:
         return sum(side.bookkeeping_s for side in self.sides)
+
+    def _charge(self, device_s: float, host_s: float, tree_s: float) -> float:
+        """A step's cost on the engine clock from its device cost and its measured host time
+        (host_charge): "serial", the GPU waits for all of the host's work (scheduling, the
+        runner's preparation, sampling, the router, commits, the trees), as it does without
+        an overlapped host path; "overlap", max(host, device): what a host path prepared
+        while the GPU runs would cost (a projection: this engine does not overlap yet);
+        "trees", only the tree calls (the clock before issue 20, kept to compare). The step
+        clock charges no host time (a pure function of the schedule)."""
+        if self.clock == "steps":
+            return device_s
+        if self.host_charge == "serial":
+            return device_s + host_s
+        if self.host_charge == "overlap":
+            return max(device_s, host_s)
+        return device_s + tree_s
 
     def _run_small(self, t: float) -> float:
         cost, parked = self._run(SMALL, t)
@@ -688,7 +704,8 @@ class RoutedEngine:
             schedule, finish = s.schedule_small, s.finish_small
         else:
             schedule, finish = s.schedule_large, s.finish_large
-        host0 = self._host_s()
+        timer = self.sides[kind].timer
+        h0, tree0 = timer(), self._tree_s()
         try:
             prep = schedule()
         except WaitForMemory:  # nothing is busy in the event loop
@@ -702,13 +719,23 @@ class RoutedEngine:
             if not isinstance(e, Exception):
                 raise
             return 0.0, []
+        h1 = timer()
+        device = self._cost(kind, prep, dt)
+        # The host time so far: all of this step's but the forward's device work.
+        host = h1 - h0 - prep.execute_host_s
+        h2 = timer()
+        back = finish(prep, out, t + self._charge(device, host + h2 - h1, self._tree_s() - tree0))
+        host += timer() - h1
+        tree = self._tree_s() - tree0
+        st = s.stats
+        st.host_s += host
         if kind == SMALL:
-            s.stats.small_forward_s += dt
+            st.small_forward_s += dt
+            st.small_host_s += host
+            st.small_device_s += device
         else:
-            s.stats.large_forward_s += dt
-        forward = self._cost(kind, prep, dt)
-        back = finish(prep, out, t + forward + self._host_s() - host0)
-        return forward + self._host_s() - host0, back  # the commit's bookkeeping included
+            st.large_forward_s += dt
+        return self._charge(device, host, tree), back
 
 
 def _put_index(q: queue.SimpleQueue[int], i: int, _handle: RequestHandle) -> None:

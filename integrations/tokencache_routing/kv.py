@@ -1,8 +1,11 @@
-"""One model's side of the engine: its CausalLM, KVPool and RadixTree, plus per-request KV handles.
+"""One model's side of the engine: its CausalLM, KVPool, RadixTree and slot table, plus
+per-request KV handles.
 
-A handle knows which KV slots hold a request's first `length` tokens in this model. The
-tokencache handle is a Cursor: parking costs nothing and resuming appends only the new tokens.
-Every tokencache call is timed into `bookkeeping_s` (the bookkeeping share of step time).
+A handle knows which KV slots hold a request's first `length` tokens in this model: they are
+its row of the side's SlotTable (written once at admission, appended by each forward), which
+the kernels read in place. The tokencache handle is a Cursor: parking costs nothing and
+resuming appends only the new tokens. Every tree call is timed into `bookkeeping_s` (the
+bookkeeping share of step time).
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ import numpy as np
 import torch
 
 import tokencache
-from tokencache_models import CausalLM, KVPool
+from tokencache_models import CausalLM, KVPool, SlotTable
+
+# A side's slot table starts this size and doubles (rows, and columns up to the pool's size).
+TABLE_ROWS = 64
+TABLE_WIDTH = 4096
 
 
 class ModelSide:
@@ -25,6 +32,13 @@ class ModelSide:
         self.model = model
         self.pool = pool
         self.tree = tokencache.RadixTree(page_size=page_size)
+        self.table = SlotTable(
+            TABLE_ROWS,
+            min(TABLE_WIDTH, pool.num_slots),
+            pool.scratch_slot,
+            pool.device,
+            max_width=pool.num_slots,
+        )
         self.bookkeeping_s = 0.0
         # The same time by tree operation (match, lock, insert, unlock, extend, release,
         # evict): the published per-step breakdown is in these terms.
@@ -72,9 +86,10 @@ class ModelSide:
         return int(self.tree.protected_size())
 
     def idle_invariant(self) -> bool:
-        """At idle every slot is free or cached in the tree, and nothing is pinned."""
+        """At idle every slot is free or cached in the tree, nothing is pinned and no slot-table
+        row is held."""
         free_or_cached = self.pool.available + self.cached_size() == self.pool.num_slots
-        return free_or_cached and self.pinned_size() == 0
+        return free_or_cached and self.pinned_size() == 0 and self.table.rows_held == 0
 
 
 class KVHandle(Protocol):
@@ -86,6 +101,9 @@ class KVHandle(Protocol):
     @property
     def length(self) -> int: ...
 
+    @property
+    def row(self) -> int: ...
+
     def attach(self, seq: np.ndarray) -> None: ...
 
     def slots(self) -> np.ndarray: ...
@@ -94,22 +112,68 @@ class KVHandle(Protocol):
 
     def release(self, seq: np.ndarray) -> None: ...
 
+    @staticmethod
+    def commit_many(
+        side: ModelSide,
+        handles: Sequence[KVHandle],
+        offsets: np.ndarray,
+        tokens: np.ndarray,
+        slots: np.ndarray,
+    ) -> None: ...
 
-class CursorKV:
+
+class SlotRow:
+    """A request's row in its model's slot table: the KV slots of its first `length` tokens.
+    Shared by every handle kind; what differs between them is the tree protocol around it."""
+
+    def __init__(self, side: ModelSide) -> None:
+        self.side = side
+        self._row = -1
+        self._n = 0
+
+    @property
+    def row(self) -> int:
+        return self._row
+
+    @property
+    def length(self) -> int:
+        return self._n
+
+    def slots(self) -> np.ndarray:
+        """A view of the row's first `length` slots (no copy)."""
+        return self.side.table.row(self._row, self._n)
+
+    def _take_row(self, matched: np.ndarray) -> None:
+        """Admission: a fresh row holding the matched prefix's slots (written once)."""
+        table = self.side.table
+        self._row = table.acquire()
+        table.write(self._row, 0, matched)
+        self._n = len(matched)
+
+    def _committed(self, n: int) -> None:
+        """n more tokens are this request's: prepare_forward wrote their slots already."""
+        self._n += n
+
+    def _drop_row(self) -> None:
+        if self._row >= 0:
+            self.side.table.release(self._row)
+        self._row = -1
+        self._n = 0
+
+
+class CursorKV(SlotRow):
     """tokencache handle: a Cursor in this model's tree, kept for the request's whole life.
 
-    The request's slot row (KV slots of its first `length` tokens) is kept here incrementally:
-    filled from the match at admission, appended after each extend and patched where the tree
-    already held a token (Dedup), so a step never copies the whole slot list out of the tree.
+    The slot row is filled from the match at admission, appended by each forward and patched
+    where the tree already held a token (Dedup), so a step never copies the whole slot list out
+    of the tree.
     """
 
     needs_attach_each_time = False
 
     def __init__(self, side: ModelSide) -> None:
-        self.side = side
+        super().__init__(side)
         self.cursor: tokencache.Cursor | None = None
-        self._row = np.empty(0, dtype=np.int64)
-        self._n = 0
 
     @property
     def attached(self) -> bool:
@@ -121,50 +185,30 @@ class CursorKV:
             m = self.side.tree.match_prefix(seq[:-1])
         with self.side.bookkeeping("lock"):
             self.cursor = self.side.tree.cursor_at(m.node)
-            matched = m.slots
-        self._row = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
-        self._n = len(matched)
-        self._row[: self._n] = matched
-
-    @property
-    def length(self) -> int:
-        return self._n
-
-    def slots(self) -> np.ndarray:
-        """A view of the kept row (no copy out of the tree)."""
-        return self._row[: self._n]
-
-    def _append(self, slots: np.ndarray) -> None:
-        end = self._n + len(slots)
-        if end > len(self._row):
-            grown = np.empty(2 * end, dtype=np.int64)
-            grown[: self._n] = self._row[: self._n]
-            self._row = grown
-        self._row[self._n : end] = slots
-        self._n = end
+        self._take_row(m.slots)
 
     @staticmethod
     def commit_many(
         side: ModelSide,
-        handles: Sequence[CursorKV],
+        handles: Sequence[KVHandle],
         offsets: np.ndarray,
         tokens: np.ndarray,
         slots: np.ndarray,
     ) -> None:
         """One native extend for the whole batch; duplicates go back to the allocator and the
         rows point at the tree's slots for them instead."""
+        mine = [h for h in handles if isinstance(h, CursorKV)]
         with side.bookkeeping("extend"):
-            cursors = [h.cursor for h in handles if h.cursor is not None]
+            cursors = [h.cursor for h in mine if h.cursor is not None]
             if len(cursors) != len(handles):
                 raise RuntimeError("commit_many: a handle has no cursor (not attached)")
             dedup = side.tree.extend_many(cursors, offsets, tokens, slots)
-        for i, h in enumerate(handles):
-            h._append(slots[offsets[i] : offsets[i + 1]])
+        rows = np.fromiter((h.row for h in mine), np.int64, len(mine))
+        for i, h in enumerate(mine):
+            h._committed(int(offsets[i + 1] - offsets[i]))
         if len(dedup):
-            req, pos, tree_slots = dedup.request, dedup.positions, dedup.slots
-            for i in np.unique(req):  # one vectorized patch per request, not per token
-                sel = req == i
-                handles[i]._row[pos[sel]] = tree_slots[sel]
+            req = dedup.request
+            side.table.scatter(rows[req], dedup.positions, dedup.slots)
             side.free(dedup.freed)
 
     def park(self, seq: np.ndarray) -> None:
@@ -176,5 +220,5 @@ class CursorKV:
         with self.side.bookkeeping("unlock"):
             tail = self.cursor.release()
         self.cursor = None
-        self._n = 0
+        self._drop_row()
         self.side.free(tail)

@@ -13,15 +13,13 @@ import numpy as np
 
 import tokencache
 
-from .kv import ModelSide
+from .kv import KVHandle, ModelSide, SlotRow
 
 
-class NaiveKV:
+class NaiveKV(SlotRow):
     def __init__(self, side: ModelSide) -> None:
-        self.side = side
+        super().__init__(side)
         self.node: tokencache.Node | None = None
-        self._slots = np.empty(0, dtype=np.int64)
-        self._n = 0
         self._prefix_len = 0  # slots [0, prefix_len) belong to the tree (matched, locked)
 
     @property
@@ -35,36 +33,20 @@ class NaiveKV:
         with self.side.bookkeeping("lock"):
             tree.lock(m.node)
         self.node = m.node
-        self._slots = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
-        self._slots[: m.length] = m.slots
-        self._n = self._prefix_len = m.length
-
-    @property
-    def length(self) -> int:
-        return self._n
-
-    def slots(self) -> np.ndarray:
-        return self._slots[: self._n]
-
-    def _append(self, slots: np.ndarray) -> None:
-        end = self._n + len(slots)
-        if end > len(self._slots):
-            grown = np.empty(2 * end, dtype=np.int64)
-            grown[: self._n] = self._slots[: self._n]
-            self._slots = grown
-        self._slots[self._n : end] = slots
-        self._n = end
+        self._take_row(m.slots)  # the whole matched prefix again, as SGLang's req_to_token
+        self._prefix_len = m.length
 
     @staticmethod
     def commit_many(
         side: ModelSide,
-        handles: Sequence[NaiveKV],
+        handles: Sequence[KVHandle],
         offsets: np.ndarray,
         tokens: np.ndarray,
         slots: np.ndarray,
     ) -> None:
         for i, h in enumerate(handles):
-            h._append(slots[offsets[i] : offsets[i + 1]])
+            assert isinstance(h, NaiveKV)
+            h._committed(int(offsets[i + 1] - offsets[i]))
 
     def park(self, seq: np.ndarray) -> None:
         """Leaving this model: cache the request as finished (SGLang cache_finished_req)."""
@@ -76,13 +58,15 @@ class NaiveKV:
         tree = self.side.tree
         # The tree caches whole pages only (as SGLang's does): the partial last page's slots
         # are the request's own and go back with it.
+        row = self.slots()
         aligned = self._n - self._n % tree.page_size
         with self.side.bookkeeping("insert"):
-            res = tree.insert(seq[:aligned], self._slots[:aligned])
+            res = tree.insert(seq[:aligned], row[:aligned])
         with self.side.bookkeeping("unlock"):
             tree.unlock(self.node)
         # Slots the tree already held for [prefix_len, res.prefix_len) are duplicates.
-        self.side.free(self._slots[self._prefix_len : res.prefix_len].copy())
-        self.side.free(self._slots[aligned : self._n].copy())
+        self.side.free(row[self._prefix_len : res.prefix_len].copy())
+        self.side.free(row[aligned : self._n].copy())
         self.node = None
-        self._n = self._prefix_len = 0
+        self._prefix_len = 0
+        self._drop_row()

@@ -163,11 +163,9 @@ class NaiveSGLangKV(NaiveKV):
             cache.inc_lock_ref(node)
         with self.side.bookkeeping("match"):  # the matched slots, read out as SGLang does
             prefix = cache.path_device_indices(node).cpu().numpy()
-        n = len(prefix)
         self.node = node
-        self._slots = np.empty(max(16, 2 * len(seq)), dtype=np.int64)
-        self._slots[:n] = prefix
-        self._n = self._prefix_len = n
+        self._take_row(prefix)
+        self._prefix_len = len(prefix)
 
     def release(self, seq: np.ndarray) -> None:
         if self.node is None:
@@ -176,19 +174,21 @@ class NaiveSGLangKV(NaiveKV):
         side = self.side
         cache = side.cache
         n = self._n
+        row = self.slots()
         aligned = n - n % side.page_size
         with side.bookkeeping("insert"):
             res = cache.insert(
                 sgl.InsertParams(  # type: ignore[union-attr]
                     key=_key(seq[:aligned]),
-                    value=torch.from_numpy(self._slots[:aligned].copy()),
+                    value=torch.from_numpy(row[:aligned].copy()),
                 )
             )
         with side.bookkeeping("unlock"):
             cache.dec_lock_ref(self.node)
         # Slots the tree already held for [prefix_len, res.prefix_len) are duplicates; a
         # partial last page never enters the tree.
-        side.free(self._slots[self._prefix_len : res.prefix_len].copy())
-        side.free(self._slots[aligned:n].copy())
+        side.free(row[self._prefix_len : res.prefix_len].copy())
+        side.free(row[aligned:n].copy())
         self.node = None
-        self._n = self._prefix_len = 0
+        self._prefix_len = 0
+        self._drop_row()

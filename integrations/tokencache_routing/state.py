@@ -254,6 +254,12 @@ class Stats:
     small_forward_s: float = 0.0
     large_forward_s: float = 0.0
     bookkeeping_s: float = 0.0  # inside tree and cursor operations
+    # Host time of the event loop's steps (everything but the forwards' device work: the
+    # scheduler, the runner's preparation, sampling, the router, commits, the trees), and the
+    # small steps' share of it beside their device cost on the engine clock.
+    host_s: float = 0.0
+    small_host_s: float = 0.0
+    small_device_s: float = 0.0
     small_tokens: int = 0  # tokens the small model computed (prefills, catch-ups and decodes)
     held_back: int = 0  # admissions delayed a step so a shared prefix is prefilled once
     large_held_back: int = 0  # first catch-ups held a batch so a shared prefix is prefilled once

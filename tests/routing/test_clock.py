@@ -610,8 +610,8 @@ class SpyClock(GpuClock):
         self.found: list[tuple[int, PrefixRead]] = []
         self.priced: list[tuple[int, PrefixRead]] = []
 
-    def prefix_of(self, kind: int, kv_slots: Any, kv_offsets: Any, q_offsets: Any) -> PrefixRead:
-        pre = super().prefix_of(kind, kv_slots, kv_offsets, q_offsets)
+    def prefix_of_host(self, kind: int, host: Any) -> PrefixRead:
+        pre = super().prefix_of_host(kind, host)
         self.found.append((kind, pre))
         return pre
 

@@ -66,16 +66,20 @@ class Flaky:
 
 
 class FlakyModel:
-    """A CausalLM whose forward fails at chosen calls (everything else delegated)."""
+    """A CausalLM whose forward (its device work, execute) fails at chosen calls (everything
+    else delegated)."""
 
     def __init__(self, model: Any, when: Callable[[int], bool], error: Any) -> None:
         self._model = model
-        self._call = Flaky(model, when, error)
+        self._call = Flaky(model.execute, when, error)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
     def __call__(self, *a: Any, **k: Any) -> Any:
+        return self._model(*a, **k)
+
+    def execute(self, *a: Any, **k: Any) -> Any:
         return self._call(*a, **k)
 
 

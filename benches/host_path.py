@@ -1,0 +1,241 @@
+"""Host milliseconds per decode step of the routing engine, at serving batch sizes and contexts.
+
+What counts as device work: CausalLM.execute, the forward body (or a CUDA graph's replay) after
+the runner's host preparation. Here it is replaced by a stub that returns zero logits at once,
+so the engine's whole host path runs for real at any batch and context on this CPU: the
+scheduler, prepare_forward and the slot table, the runner's preparation (HostBatch, padding,
+shared-prefix groups and tile tables, the copy into the step's buffers), sampling, the router,
+the commits and the trees. Host time is this thread's CPU time of each step minus the stub's
+(the engine's own accounting: Stats.small_host_s, RoutedEngine(host_charge=...)), so other
+processes on a shared machine do not inflate it.
+
+`--runner gpu` prepares what the GPU runner does (Triton backend's shared-prefix tables,
+decode padding to a bucket, the static buffers of the graph runner, no capture); `eager` is
+the CPU serving path (torch backend). Every request decodes behind one shared prompt (the
+prompt is the context, less 16 tokens of its own), greedy, with a router that never escalates;
+the catch-up row times the large model's step over 10 requests x 10 new tokens each.
+
+    python benches/host_path.py                      # batch 1 32 128 256 x context 2k 8k 32k
+    python benches/host_path.py --batches 32 --contexts 2048 8192 --steps 20 --json out.json
+
+Prints a table of medians (and writes JSON with --json). Overlap (preparing step n+1 while the
+GPU runs step n) is not implemented yet: every figure is the serial host path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_INTEGRATIONS = Path(__file__).resolve().parents[1] / "integrations"
+if str(_INTEGRATIONS) not in sys.path:
+    sys.path.insert(0, str(_INTEGRATIONS))
+
+import torch  # noqa: E402
+
+from tokencache_models import (  # noqa: E402
+    CausalLM,
+    DecodeGraphRunner,
+    ForwardOutput,
+    ModelConfig,
+    PreparedStep,
+    random_model,
+)
+from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
+from tokencache_routing.clock import GpuClock  # noqa: E402
+from tokencache_routing.routers import ScriptedRouter  # noqa: E402
+
+CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=65536,
+)
+OWN_TOKENS = 16  # each request's own tokens after the shared prompt
+
+
+def stub_device(model: CausalLM, runner: str) -> CausalLM:
+    """The model with its device work replaced by zero logits (host preparation kept)."""
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+
+    def execute(self: CausalLM, step: PreparedStep) -> ForwardOutput:
+        n = step.static.num_real if step.static is not None else step.context.num_real  # type: ignore[union-attr]
+        return ForwardOutput(logits=torch.zeros(n, vocab), hidden=torch.zeros(n, hidden))
+
+    model.execute = types.MethodType(execute, model)  # type: ignore[method-assign]
+    if runner == "gpu":
+        model.attention_backend_name = "triton"  # its host plan: the shared-prefix tables
+        model.decode_padding = True
+        runners: dict[int, DecodeGraphRunner] = {}
+
+        def graph_runner(self: CausalLM, pool: Any, backend: Any) -> DecodeGraphRunner:
+            key = id(pool)
+            if key not in runners:
+                runners[key] = DecodeGraphRunner(
+                    self, pool, backend, self.decode_buckets, use_graphs=False
+                )
+            return runners[key]
+
+        model.graph_runner = types.MethodType(graph_runner, model)  # type: ignore[method-assign]
+    return model
+
+
+@dataclass
+class Row:
+    kind: str  # "decode" or "catch-up"
+    runner: str
+    batch: int
+    context: int
+    host_ms: float  # median host ms per step
+    host_ms_min: float
+    host_ms_max: float
+    device_ms: float  # the GPU clock's price of the same step (Qwen3-0.6B / 8B, h200-roofline)
+    gpu_idle_share: float  # host / (host + device): what the GPU waits for, serially
+
+
+def _engine(
+    batch: int, context: int, runner: str, router: Any, catchup_batch: int = 1
+) -> RoutedEngine:
+    small = stub_device(random_model(CONFIG, seed=1), runner)
+    large = stub_device(random_model(CONFIG, seed=2), runner)
+    slots = context + batch * (OWN_TOKENS + 64) + 1024
+    return RoutedEngine(
+        small,
+        large,
+        router,
+        num_slots=slots,
+        scheduler=SchedulerConfig(
+            max_running=batch, min_large_batch=catchup_batch, max_wait_steps=1000
+        ),
+        clock=GpuClock(profile="h200-roofline"),
+    )
+
+
+def _prompts(batch: int, context: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(context)
+    shared = torch.randint(0, CONFIG.vocab_size, (context - OWN_TOKENS,), generator=g).tolist()
+    own = torch.randint(0, CONFIG.vocab_size, (batch, OWN_TOKENS), generator=g).tolist()
+    return [shared + o for o in own]
+
+
+def decode_row(batch: int, context: int, runner: str, steps: int) -> Row:
+    eng = _engine(batch, context, runner, EntropyRouter(math.inf))
+    handles = [eng.submit(p, max_new_tokens=steps + 8) for p in _prompts(batch, context)]
+    while any(len(h.tokens) < 2 for h in handles):  # prefills and a first decode step
+        eng.iterate()
+    st = eng.stats
+    host, device = [], []
+    for _ in range(steps):
+        h0, d0, n0 = st.small_host_s, st.small_device_s, len(st.small_batch_sizes)
+        eng.iterate()
+        if len(st.small_batch_sizes) == n0 + 1 and st.small_batch_sizes[-1] == batch:
+            host.append(st.small_host_s - h0)
+            device.append(st.small_device_s - d0)
+    eng.shutdown()
+    return _row("decode", runner, batch, context, host, device)
+
+
+def catchup_row(context: int, runner: str, rounds: int, requests: int = 10) -> Row:
+    """The large model's catch-up over `requests` requests x 10 new tokens: every request
+    escalates at generated positions 0 (the first catch-up prefills its prompt) and then every
+    10th; the later catch-ups are timed."""
+    router = ScriptedRouter(default=range(0, 10 * (rounds + 1) + 1, 10))
+    eng = _engine(requests, context, runner, router, catchup_batch=requests)
+    handles = [eng.submit(p, 10 * (rounds + 1) + 2) for p in _prompts(requests, context)]
+    st = eng.stats
+    host, device = [], []
+    first = True
+    while not all(h.done() for h in handles):
+        n0, h0, s0 = len(st.catchup_batch_sizes), st.host_s, st.small_host_s
+        t0 = eng.now()
+        eng.iterate()
+        if len(st.catchup_batch_sizes) == n0 + 1 and st.catchup_batch_sizes[-1] == requests:
+            if first:
+                first = False  # the prompt's prefill into the large model
+                continue
+            if st.catchup_tokens[-1] >= 9 * requests:
+                large_host = (st.host_s - h0) - (st.small_host_s - s0)
+                host.append(large_host)
+                # The clock advanced by the catch-up (serial) and maybe a small step after it.
+                device.append(max(eng.now() - t0 - (st.host_s - h0), 0.0))
+    eng.shutdown()
+    return _row("catch-up", runner, requests, context, host, device)
+
+
+def _row(
+    kind: str, runner: str, batch: int, context: int, host: list[float], device: list[float]
+) -> Row:
+    if not host:
+        raise RuntimeError(f"no {kind} step of batch {batch} was measured")
+    h = statistics.median(host) * 1e3
+    d = statistics.median(device) * 1e3
+    return Row(
+        kind,
+        runner,
+        batch,
+        context,
+        h,
+        min(host) * 1e3,
+        max(host) * 1e3,
+        d,
+        h / (h + d) if h + d else 0.0,
+    )
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128, 256])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--runner", choices=("gpu", "eager"), nargs="+", default=["gpu"])
+    ap.add_argument("--steps", type=int, default=30, help="timed decode steps per shape")
+    ap.add_argument("--catchup-rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    # The host path is one thread; torch's intra-op pool on a shared 2-core machine would
+    # turn a [batch, vocab] softmax into milliseconds of spinning.
+    torch.set_num_threads(1)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional
+
+        def tqdm(x: Any, **_: Any) -> Any:
+            return x
+
+    shapes = [(r, b, c) for r in args.runner for c in args.contexts for b in args.batches]
+    rows: list[Row] = []
+    t0 = time.perf_counter()
+    for runner, b, c in tqdm(shapes, desc="decode shapes"):
+        rows.append(decode_row(b, c, runner, args.steps))
+    for runner in args.runner:
+        for c in tqdm(args.contexts, desc=f"catch-ups ({runner})"):
+            rows.append(catchup_row(c, runner, args.catchup_rounds))
+    print("| step | runner | batch | context | host ms (median) | min | max | GPU ms | GPU idle |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r.kind} | {r.runner} | {r.batch} | {r.context} | {r.host_ms:.3f} | "
+            f"{r.host_ms_min:.3f} | {r.host_ms_max:.3f} | {r.device_ms:.3f} | "
+            f"{100 * r.gpu_idle_share:.0f}% |"
+        )
+    took = time.perf_counter() - t0
+    print(f"({took:.0f} s; host: this thread's CPU time per step less the stubbed device work)")
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
