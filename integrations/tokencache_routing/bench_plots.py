@@ -42,6 +42,13 @@ def _series(rows: Sequence[Any], x: str, **match: Any) -> dict[str, list[tuple[f
     return {s: sorted(v, key=lambda t: t[0]) for s, v in out.items()}
 
 
+def _log2_ticks(ax: Any, xs: Sequence[float]) -> None:
+    """A log2 axis labelled at the values run (1, 4, 8, ... not 2^k)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
+    ax.minorticks_off()
+
+
 def plot_concurrency(rows: Sequence[Any], path: Path) -> bool:
     """Decode tok/s against concurrency, one panel per (workload, new tokens, p)."""
     plt = _pyplot()
@@ -54,7 +61,7 @@ def plot_concurrency(rows: Sequence[Any], path: Path) -> bool:
             xs = [x for x, _ in pts]
             ax.plot(xs, [r.tokens_per_s for _, r in pts], marker="o", label=system,
                     **STYLE.get(system, {}))  # fmt: skip
-        ax.set_xscale("log", base=2)
+        _log2_ticks(ax, sorted({r.max_running for r in rows if r.system in COMPARED}))
         ax.set_yscale("log")
         ax.set_title(f"{wl}, {new} new tokens, p = {p:g}")
         ax.set_xlabel("concurrency (max_running)")
@@ -88,8 +95,9 @@ def plot_length(rows: Sequence[Any], path: Path) -> bool:
                 if prof:
                     mid = [(a + b) / 2 for a, b, _, _ in prof]
                     ax3[2].plot(mid, [t for _, _, _, t in prof], label=system, **style)
+        news = sorted({x for pts in series.values() for x, _ in pts})
         for ax in ax3[:2]:
-            ax.set_xscale("log", base=2)
+            _log2_ticks(ax, news)
             ax.set_xlabel("new tokens per request")
         ax3[0].set_yscale("log")
         ax3[0].set_ylabel("decode tokens/s (engine clock)")
