@@ -1,0 +1,126 @@
+"""The request-to-slot table: rows, growth, queued device writes and the shared-prefix groups it
+keeps per row, against a naive model (plain lists, and a search of the slot lists)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokencache_models import SlotTable
+from tokencache_models.prefix_groups import MAX_PREFIX_GROUPS, groups_over_rows
+
+SCRATCH = 999
+
+
+def test_rows_are_written_appended_released_and_grown() -> None:
+    t = SlotTable(rows=2, width=4, scratch_slot=SCRATCH, max_width=64)
+    a, b = t.acquire(), t.acquire()
+    t.write(a, 0, np.array([1, 2, 3]))
+    t.write(b, 0, np.array([7]))
+    c = t.acquire()  # a third row: the table doubles its rows, keeping what they hold
+    assert t.rows == 4 and t.rows_held == 3
+    t.write(c, 0, np.arange(10, 20))  # ten slots: the width doubles past 4 (to 10)
+    assert t.width >= 10
+    assert t.row(a, 3).tolist() == [1, 2, 3] and t.row(b, 1).tolist() == [7]
+    assert t.row(c, 10).tolist() == list(range(10, 20))
+    # The scratch row's one entry is the pool's scratch slot, wherever the storage moved.
+    assert t.flat_host[t.scratch_start] == SCRATCH and int(t.flat[t.scratch_start]) == SCRATCH
+    t.scatter(np.array([a, b]), np.array([3, 1]), np.array([4, 8]))
+    assert t.row(a, 4).tolist() == [1, 2, 3, 4] and t.row(b, 2).tolist() == [7, 8]
+    assert torch.equal(t.table, torch.from_numpy(t.host))  # one memory on the CPU
+    t.release(b)
+    with pytest.raises(ValueError, match="not held"):
+        t.release(b)
+    with pytest.raises(ValueError, match="exceeds"):
+        t.write(a, 60, np.arange(10))
+    assert t.acquire() == b  # a released row is reused
+
+
+def test_device_writes_are_queued_and_replayed_in_order() -> None:
+    """Off the CPU every write is queued as (flat index, slot); applying the queue to the
+    device copy reproduces the host rows exactly (later writes win)."""
+    t = SlotTable(rows=4, width=8, scratch_slot=SCRATCH, device="meta", max_width=8)
+    device = t.host.copy().reshape(-1)  # what the device held after the last allocation
+    r = t.acquire()
+    t.write(r, 0, np.array([5, 6, 7]))
+    t.scatter(np.array([r, r]), np.array([3, 1]), np.array([8, 9]))  # patches position 1
+    t.write(t.acquire(), 2, np.array([4]))
+    flat, vals = t.take_writes() or (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    device[flat] = vals  # index_copy_ in order: the last write of an index wins
+    assert np.array_equal(device, t.flat_host)
+    assert t.take_writes() is None  # taken once
+
+
+rows_strategy = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(1, 4)),  # prompt, cut, q_len
+    min_size=2,
+    max_size=24,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows_strategy, st.integers(1, 12), st.randoms(use_true_random=False))
+def test_groups_claim_only_what_rows_share(
+    spec: list[tuple[int, int, int]], min_len: int, rnd: object
+) -> None:
+    """Rows on four prompts (two of them extending another: nested), each cut short at a random
+    point and then on slots of its own. Every group the table reports shares its P slot for slot
+    among its members, within every member's cap, rows in at most one group, at most
+    MAX_PREFIX_GROUPS groups; one prompt for every row gives one group as long as the search
+    of the slot lists finds (the kept facts lose nothing there)."""
+    prompts = {0: np.arange(100, 160), 1: np.arange(200, 230)}
+    prompts[2] = np.concatenate((prompts[0], np.arange(300, 320)))  # extends prompt 0
+    prompts[3] = np.concatenate((prompts[0][:30], np.arange(400, 420)))  # parts from it at 30
+    t = SlotTable(rows=4, width=16, scratch_slot=SCRATCH, max_width=4096)
+    fresh = iter(range(10_000, 100_000))
+    lists, rows, caps = [], [], []
+    for prompt, cut, q_len in spec:
+        own = np.array([next(fresh) for _ in range(q_len + 3)])
+        slots = np.concatenate((prompts[prompt][:cut], own))
+        r = t.acquire()
+        t.write(r, 0, slots)
+        lists.append(slots)
+        rows.append(r)
+        caps.append(len(slots) - q_len)
+    order = list(range(len(rows)))
+    rnd.shuffle(order)  # type: ignore[attr-defined]
+    rows_a, caps_a = np.array(rows)[order], np.array(caps)[order]
+    groups = t.prefix_groups(rows_a, caps_a, min_len=min_len)
+    seen: set[int] = set()
+    assert len(groups) <= MAX_PREFIX_GROUPS
+    for g in groups:
+        assert len(g.rows) >= 2 and g.length >= min_len and not seen & set(g.rows)
+        seen |= set(g.rows)
+        anchor = lists[order[g.rows[0]]][: g.length]
+        for i in g.rows:
+            assert g.length <= caps_a[i]
+            assert np.array_equal(lists[order[i]][: g.length], anchor)
+    # Asked again (the facts are kept, nothing new to compare), the answer is the same.
+    assert t.prefix_groups(rows_a, caps_a, min_len=min_len) == groups
+    if len({p for p, _, _ in spec}) == 1 and all(c == 40 for _, c, _ in spec):
+        flat = np.concatenate(lists)
+        starts = np.cumsum([0] + [len(x) for x in lists])[:-1][order]
+        searched = groups_over_rows(flat, starts, caps_a, min_len)
+        assert [(g.rows, g.length) for g in groups] == [(g.rows, g.length) for g in searched]
+
+
+def test_one_prompt_gives_one_group_and_decoding_compares_nothing_new() -> None:
+    """32 rows behind one 500-slot prompt: one group of all, P = 500; as they decode (caps grow
+    by one a step) the rows that parted from the reference are not compared again."""
+    t = SlotTable(rows=32, width=1024, scratch_slot=SCRATCH)
+    prompt = np.arange(500)
+    rows = np.array([t.acquire() for _ in range(32)])
+    for i, r in enumerate(rows.tolist()):
+        t.write(r, 0, np.concatenate((prompt, [10_000 + 100 * i, 10_001 + 100 * i])))
+    caps = np.full(32, 501)
+    (g,) = t.prefix_groups(rows, caps)
+    assert g.rows == tuple(range(32)) and g.length == 500
+    final = t._final.copy()
+    assert final[rows].sum() == 31  # all but the reference's owner parted from it
+    for step in range(3):
+        for i, r in enumerate(rows.tolist()):
+            t.write(r, 502 + step, np.array([20_000 + 100 * i + step]))
+        assert t.prefix_groups(rows, caps + 1 + step) == [g]

@@ -1,0 +1,101 @@
+"""The engine's host path per step is O(batch + new tokens), whatever the context, and the
+engine clock charges the host time it measures as the host_charge says (no timing asserted:
+sizes and schedules are counted, and clock time is compared only as an ordering)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from routing_helpers import make_prompts
+
+import tokencache_models.context as context
+from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig
+from tokencache_routing.clock import GpuClock
+
+
+def _moved_per_decode_step(pair: Any, prompt_len: int, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The most int64 entries one decode step copies to the model's device (4 requests)."""
+    moved: list[int] = []
+    to_device = context.to_device
+
+    def counting(arrays: Any, device: Any) -> Any:
+        moved.append(sum(int(a.size) for a in arrays))
+        return to_device(arrays, device)
+
+    monkeypatch.setattr(context, "to_device", counting)
+    prompts = make_prompts(4, seed=3, shared=prompt_len - 8, lo=8, hi=8)
+    eng = RoutedEngine(*pair, EntropyRouter(math.inf), num_slots=4 * prompt_len + 512)
+    handles = [eng.submit(p, 12) for p in prompts]
+    while any(len(h.tokens) < 2 for h in handles):
+        eng.iterate()
+    moved.clear()
+    for _ in range(6):
+        eng.iterate()
+    assert eng.idle_invariant() is False  # still decoding: rows held
+    eng.shutdown()
+    assert eng.idle_invariant()
+    return max(moved)
+
+
+def test_a_decode_step_copies_nothing_per_context_token(
+    pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the slot table, each step concatenated every request's whole slot row (and the
+    runner copied it again): 4 x 480 entries at a 480-token context. Now a step moves its
+    O(batch) metadata only, the same at 40 and at 480 tokens of context."""
+    short = _moved_per_decode_step(pair, 40, monkeypatch)
+    long = _moved_per_decode_step(pair, 480, monkeypatch)
+    assert long == short <= 8 * 4 + 1
+
+
+def _engine(pair: Any, charge: str, clock: Any) -> RoutedEngine:
+    return RoutedEngine(
+        *pair,
+        EntropyRouter(math.inf),
+        num_slots=2048,
+        scheduler=SchedulerConfig(max_running=4),
+        clock=clock,
+        host_charge=charge,
+    )
+
+
+def test_host_time_is_charged_as_host_charge_says(pair: Any) -> None:
+    """serial: every step costs its device price plus its measured host time, which holds the
+    tree time; trees: only the tree calls; overlap: max(host, device) per step. The step clock
+    charges none of it (a pure function of the schedule, equal whatever the charge)."""
+    prompts = make_prompts(4, seed=5, shared=20)
+    clocks: dict[str, float] = {}
+    for charge in ("serial", "trees", "overlap"):
+        eng = _engine(pair, charge, GpuClock(profile="h200-roofline"))
+        eng.generate(prompts, 8)
+        st = eng.stats
+        assert st.host_s >= st.small_host_s > 0 and st.small_device_s > 0
+        assert st.host_s >= st.bookkeeping_s
+        clocks[charge] = st.modeled_s
+        device = st.small_device_s
+        if charge == "serial":
+            assert st.modeled_s >= device + st.small_host_s
+        if charge == "overlap":
+            assert st.modeled_s >= max(device, st.small_host_s)
+    assert clocks["serial"] > clocks["trees"] and clocks["serial"] >= clocks["overlap"]
+    steps = {c: _engine(pair, c, "steps").generate(prompts, 8).stats.modeled_s for c in clocks}
+    assert len(set(steps.values())) == 1
+    with pytest.raises(ValueError, match="host_charge"):
+        _engine(pair, "none", "steps")
+
+
+def test_rows_are_returned_whatever_ends_a_request(pair: Any) -> None:
+    """Every way out (finishing, aborting, a preemption under a small pool) gives the request's
+    slot-table rows back: idle_invariant checks rows_held == 0 on both models."""
+    prompts = make_prompts(6, seed=8, shared=6, lo=4, hi=8)
+    eng = RoutedEngine(*pair, EntropyRouter(1.0), num_slots=48)  # tight: preemptions
+    hs = [eng.submit(p, 14) for p in prompts]
+    hs[2].abort()
+    for h in hs:
+        h.wait()
+    assert eng.stats.preemptions > 0
+    assert all(side.table.rows_held == 0 for side in eng.sides) and eng.idle_invariant()
+    assert np.all(~eng.small.table._held)
