@@ -247,30 +247,42 @@ class Scheduler:
     # ------------------------------------------------------------ admission and memory
 
     def admit(self, not_after: float | None = None) -> None:
-        """Waiting requests in order while there is room; not_after: the event loop's small
-        clock, which admits no request submitted later."""
+        """Waiting requests in arrival order (FCFS) while fewer than max_admitted are admitted:
+        a place that frees (a request finishes) is taken at the next admission. Not gated by
+        the small batch: requests back from catch-ups refill it beyond max_running, and a gate
+        there kept the queue out while others came and went (issue 21 D4: requests waited for
+        the whole batch to drain); the batch cap and its longest-waiting-first order
+        (schedule_small) share the small model among everyone admitted instead.
+        One documented exception to FCFS: a request sharing an uncached prompt page with one
+        admitted but not yet prefilled is held back (it then matches that prefill in the tree
+        instead of computing it again) and later arrivals pass it meanwhile: it waits for that
+        request's first step, its turn in schedule_small's longest-waiting-first order. Nothing
+        is admitted after a preemption until a request finishes (no two requests preempting
+        each other), nor, in the event loop, past its small clock (not_after)."""
         cfg = self.cfg
         if self.admit_blocked and self.active():
             return
         self.admit_blocked = False
         small_page = self.sides[SMALL].tree.page_size
-        while self.waiting:
-            if self.num_on_small() >= cfg.max_running or len(self.active()) >= cfg.max_admitted:
-                return
-            r = self.waiting[0]
+        held: list[Request] = []
+        while self.waiting and len(self.active()) < cfg.max_admitted:
+            r = self.waiting.popleft()
             if not_after is not None and r.submitted_at > not_after:
-                return
+                self.waiting.appendleft(r)
+                break
             if self.holdback and overlaps_prefill(
                 r, self.running, SMALL, small_page, self._cached_len(SMALL)
             ):
                 self.stats.held_back += 1
-                return
-            self.waiting.popleft()
+                held.append(r)
+                continue
             r.kv = [self.handle_cls(self.sides[SMALL]), self.handle_cls(self.sides[LARGE])]
-            r.admit_order = self.admitted
+            if r.admit_order < 0:  # a preempted request keeps its seniority (FCFS victims)
+                r.admit_order = self.admitted
+                self.admitted += 1
             r.last_small_step = self.stats.steps
-            self.admitted += 1
             self.running.append(r)
+        self.waiting.extendleft(reversed(held))  # first in line at the next admission
 
     def _cached_len(self, kind: int) -> Callable[[Request], int]:
         """How much of a request's prompt this model's tree holds (a shared system prompt that
@@ -341,9 +353,10 @@ class Scheduler:
     # ------------------------------------------------------------ small model
 
     def schedule_small(self) -> PreparedForward | None:
-        """At most max_running ready requests, those that waited longest first: requests back
-        from a catch-up may find their places refilled, and then wait a step rather than
-        overfill the batch; nobody waits more than a few steps."""
+        """At most max_running ready requests, those that waited longest first. More are
+        ready than the cap when requests back from a catch-up find their places refilled
+        (admission fills max_admitted): the most recently stepped wait a step rather than
+        overfill the batch, so nobody waits more than about ready / max_running steps."""
         ready = sorted(
             (r for r in self.running if not r.busy),
             key=lambda r: (r.last_small_step, r.admit_order),
