@@ -39,9 +39,11 @@ def _check_int(name: str, v: object, lo: int) -> None:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """max_running: requests decoding on the small model at once (its batch cap).
-    max_parked: requests admitted beyond that while others wait for the large model (None: as
-    many as max_running; 0: parked requests count against max_running), so a parked request's
-    place in the small batch is filled instead of stepping a fragment.
+    max_parked: requests admitted beyond that (None: as many as max_running; 0: none), so the
+    places of parked requests and of those inside a catch-up are filled instead of stepping a
+    fragment. Admission is FCFS up to max_admitted = max_running + max_parked whatever the
+    batch holds; when more are ready than max_running, the small batch takes the longest
+    waiting first (Scheduler.admit, schedule_small).
     On one device (a catch-up stalls the small model), a catch-up launches once
     min_large_batch requests are parked, or the oldest has waited max_wait_steps small steps
     (max_wait_s seconds in the threaded driver), or the small model has nothing else to run,
