@@ -38,6 +38,7 @@ from .errors import APIError, bad_request
 from .generation import Chunk, Generation, GenerationError, LoopWaker
 from .metrics import ServerMetrics
 from .protocol import (
+    GREEDY_BELOW,
     ChatRequest,
     CompletionRequest,
     GenerationParams,
@@ -429,7 +430,7 @@ class Server:
         p = req.params
         prompt_param = "prompt" if kind == "completion" else "messages"
         sampling = None
-        if p.temperature > 0:
+        if p.temperature >= GREEDY_BELOW:  # logits / 1e-300 would overflow, not sample
             sampling = SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
         try:
             gen = Generation(

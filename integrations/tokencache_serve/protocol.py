@@ -17,6 +17,7 @@ from .errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # per stop string: the stream's hold-back check is quadratic in it
+GREEDY_BELOW = 1e-5  # a lower temperature is greedy (its limit; as vLLM and the engine)
 SEED_LIMIT = 2**63  # seeds in [0, 2**63): what torch.Generator.manual_seed takes as given
 _SHOWN = 64  # characters of a client's value quoted back in an error message
 
