@@ -99,6 +99,9 @@ class HostBatch:
     num_real: int  # requests [0, num_real) are real; the rest are padding rows
     table: SlotTable | None = None
     rows: np.ndarray | None = None  # the real rows' slot-table rows (with `table`)
+    # Candidate groups once found (the runner and the GPU clock both ask); shared by the
+    # padded copies, whose real rows are the same.
+    memo: dict[str, list[PrefixGroup]] = field(default_factory=dict)
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> HostBatch:
@@ -172,11 +175,16 @@ class HostBatch:
 
     def candidate_groups(self) -> list[PrefixGroup]:
         """The real rows' shared-prefix groups before paying_groups' verdict."""
-        n = self.num_real
-        caps = self.kv_lens[:n] - self.q_lens[:n]
-        if self.table is not None and self.rows is not None:
-            return self.table.prefix_groups(self.rows[:n], caps)
-        return groups_over_rows(self.kv_slots, self.kv_starts[:n], caps)
+        found = self.memo.get("groups")
+        if found is None:
+            n = self.num_real
+            caps = self.kv_lens[:n] - self.q_lens[:n]
+            if self.table is not None and self.rows is not None:
+                found = self.table.prefix_groups(self.rows[:n], caps)
+            else:
+                found = groups_over_rows(self.kv_slots, self.kv_starts[:n], caps)
+            self.memo["groups"] = found
+        return found
 
     def padded(self, rows: int, scratch_slot: int) -> HostBatch:
         """Appends decode padding rows up to `rows`: token 0 at position 0, writing and reading
@@ -207,7 +215,10 @@ class HostBatch:
 
 
 def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 host arrays -> device tensors in one copy (pinned and non-blocking on CUDA)."""
+    """int64 host arrays -> device tensors in one copy (pinned and non-blocking on CUDA); on
+    the CPU the arrays themselves, viewed as tensors (no copy)."""
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a, np.int64).reshape(-1)) for a in arrays]
     sizes = [int(a.size) for a in arrays]
     total = sum(sizes)
     if device.type == "cuda":

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .config import ModelConfig
 
 
 class SlotAllocator:
-    """Exact free-slot accounting over [0, num_slots); slot ids are CPU int64 tensors.
+    """Exact free-slot accounting over [0, num_slots); slot ids are CPU int64 tensors (or
+    numpy arrays: alloc_array / free_array, what the engine's host path uses).
 
-    A stack of free ids plus an in-use bitmap: alloc/free are vectorised (no per-slot Python
-    work), and the bitmap catches double frees and frees of never-allocated slots.
+    A stack of free ids plus an in-use bitmap, both numpy: alloc/free are vectorised (no
+    per-slot Python work, a few microseconds a call), and the bitmap catches double frees and
+    frees of never-allocated slots.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -21,9 +24,9 @@ class SlotAllocator:
             raise ValueError("num_slots must be positive")
         self.num_slots = num_slots
         # Reversed so that the first allocations get the lowest ids (easier to read in tests).
-        self._free = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
         self._top = num_slots
-        self._in_use = torch.zeros(num_slots, dtype=torch.bool)
+        self._in_use = np.zeros(num_slots, dtype=bool)
 
     @property
     def available(self) -> int:
@@ -33,33 +36,42 @@ class SlotAllocator:
     def used(self) -> int:
         return self.num_slots - self._top
 
-    def alloc(self, n: int) -> torch.Tensor:
+    def alloc_array(self, n: int) -> np.ndarray:
         if n < 0:
             raise ValueError("n must be non-negative")
         if n > self._top:
             raise MemoryError(f"KV pool exhausted: requested {n} slots, {self._top} available")
-        slots = self._free[self._top - n : self._top].flip(0).clone()
+        slots: np.ndarray = self._free[self._top - n : self._top][::-1].copy()
         self._top -= n
         self._in_use[slots] = True
         return slots
 
-    def free(self, slots: torch.Tensor) -> None:
-        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
-        if slots.numel() == 0:
+    def alloc(self, n: int) -> torch.Tensor:
+        return torch.from_numpy(self.alloc_array(n))
+
+    def free_array(self, slots: np.ndarray) -> None:
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        n = len(slots)
+        if n == 0:
             return
         if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
             raise ValueError("slot id out of range")
-        if torch.unique(slots).numel() != slots.numel():
+        if n > 1 and len(np.unique(slots)) != n:
             raise ValueError("duplicate slot ids in one free() call")
         if not bool(self._in_use[slots].all()):
             raise ValueError("double free: some slots are not allocated")
         self._in_use[slots] = False
-        n = slots.numel()
-        self._free[self._top : self._top + n] = slots.flip(0)
+        self._free[self._top : self._top + n] = slots[::-1]
         self._top += n
 
+    def free(self, slots: torch.Tensor | np.ndarray) -> None:
+        if isinstance(slots, torch.Tensor):
+            slots = slots.detach().cpu().numpy()
+        self.free_array(slots)
+
     def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._in_use[torch.as_tensor(slots, dtype=torch.int64).cpu()]
+        idx = torch.as_tensor(slots, dtype=torch.int64).cpu().numpy()
+        return torch.from_numpy(self._in_use[idx].copy())
 
 
 class KVPool:
@@ -149,7 +161,7 @@ class KVPool:
     def alloc(self, n: int) -> torch.Tensor:
         return self.allocator.alloc(n)
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: torch.Tensor | np.ndarray) -> None:
         self.allocator.free(slots)
 
     @property

@@ -67,11 +67,11 @@ class ModelSide:
             self.bookkeeping_by_op[op] = self.bookkeeping_by_op.get(op, 0.0) + dt
 
     def alloc(self, n: int) -> np.ndarray:
-        return self.pool.alloc(n).numpy()
+        return self.pool.alloc(n).numpy()  # a view of the allocator's numpy array
 
     def free(self, slots: np.ndarray | torch.Tensor) -> None:
         if len(slots):
-            self.pool.free(torch.as_tensor(slots, dtype=torch.int64))
+            self.pool.free(slots)
 
     def evict(self, n: int) -> int:
         with self.bookkeeping("evict"):
