@@ -95,6 +95,7 @@ def test_max_running_and_max_admitted_never_exceeded(pair: Any, mode: str, max_p
     assert all(b <= c for b, c in zip(st.small_batch_sizes, st.small_batch_capacity, strict=True))
     exact(pair, router, prompts, handles)
     assert eng.idle_invariant()
+    eng.shutdown()  # joins threaded workers
 
 
 @pytest.mark.parametrize("topology", ["one-device", "two-devices"])
@@ -127,6 +128,7 @@ def test_the_preemption_victim_is_the_newest(pair: Any, mode: str) -> None:
         assert victim == max(cands), (victim, cands)
     exact(pair, router, prompts, handles)
     assert eng.idle_invariant()
+    eng.shutdown()  # joins threaded workers
 
 
 @pytest.mark.parametrize("topology,cost", [("one-device", 1.0), ("two-devices", 3.0)])
