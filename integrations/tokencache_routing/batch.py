@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -128,6 +129,8 @@ class PreparedForward:
         self.side.sync()
         w2 = time.perf_counter()
         self.execute_host_s = timer() - t1
+        if out.logits.shape[-1] > self.side.vocab_size:  # a model's padding rows: never drawn
+            out = dataclasses.replace(out, logits=out.logits[:, : self.side.vocab_size])
         return out, w2 - w1
 
     def commit(self) -> None:

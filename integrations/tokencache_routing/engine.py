@@ -93,8 +93,10 @@ class RoutedEngine:
             raise ValueError("mode must be 'events' (deterministic) or 'threaded'")
         if mode == "threaded" and dispatch != "tokencache":
             raise ValueError("mode='threaded' needs dispatch='tokencache' (naive has a barrier)")
-        if small.config.vocab_size != large.config.vocab_size:
-            raise ValueError("small and large models must share a vocabulary")
+        # Vocabularies may differ in size, not in meaning: checkpoints of one family pad their
+        # embedding tables differently (R1-Distill-Qwen-1.5B 151,936 rows, -32B 152,064). The
+        # engine routes over the ids both have; the rest of the logits are dropped.
+        vocab = min(small.config.vocab_size, large.config.vocab_size)
         # Two GPUs: each model (and so its KV pool) on its own device; the threaded driver then
         # overlaps them for real, and the event loop's clock models the overlap.
         if small_device is not None:
@@ -133,7 +135,7 @@ class RoutedEngine:
             GpuClock() if clock == "gpu" else clock if isinstance(clock, GpuClock) else None
         )
         self.clock = "gpu" if self.gpu_clock is not None else str(clock)
-        self.vocab_size = int(small.config.vocab_size)
+        self.vocab_size = int(vocab)
 
         side_cls: type[ModelSide] = ModelSide
         handle_cls: Any = CursorKV if dispatch == "tokencache" else NaiveKV
@@ -146,6 +148,7 @@ class RoutedEngine:
             side_cls("large", large, large.make_kv_pool(n_large), page_size),
         )
         for s in self.sides:
+            s.vocab_size = self.vocab_size
             s.sync_cuda = self.clock == "measured" and s.model.device.type == "cuda"
             if self.clock == "gpu":
                 s.timer = time.thread_time

@@ -39,6 +39,8 @@ class ModelSide:
             pool.device,
             max_width=pool.num_slots,
         )
+        # The ids sampled and routed over (the engine's: both models' shared vocabulary).
+        self.vocab_size = model.config.vocab_size
         self.bookkeeping_s = 0.0
         # The same time by tree operation (match, lock, insert, unlock, extend, release,
         # evict): the published per-step breakdown is in these terms.

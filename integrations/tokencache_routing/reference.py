@@ -31,13 +31,15 @@ def reference_generate(
     """(tokens, models) per request; models[i][t] = 1 when the large model wrote token t."""
     all_tokens: list[list[int]] = []
     all_models: list[list[int]] = []
+    vocab = min(small.config.vocab_size, large.config.vocab_size)  # the ids both models have
     for rid, prompt in enumerate(prompts):
         seq = list(prompt)
         toks: list[int] = []
         models: list[int] = []
         for pos in range(max_new_tokens):
             use_large = bool(decide(rid, pos))
-            tok = int(full_forward_logits(large if use_large else small, seq).argmax())
+            logits = full_forward_logits(large if use_large else small, seq)[:vocab]
+            tok = int(logits.argmax())
             seq.append(tok)
             toks.append(tok)
             models.append(int(use_large))

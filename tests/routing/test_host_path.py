@@ -99,3 +99,29 @@ def test_rows_are_returned_whatever_ends_a_request(pair: Any) -> None:
     assert eng.stats.preemptions > 0
     assert all(side.table.rows_held == 0 for side in eng.sides) and eng.idle_invariant()
     assert np.all(~eng.small.table._held)
+
+
+def test_models_whose_vocabularies_differ_in_size_route_over_the_shared_ids(pair: Any) -> None:
+    """Checkpoints of one family pad their embedding tables differently (R1-Distill-Qwen-1.5B:
+    151,936 rows, -32B: 152,064): the engine routes over the ids both have and matches the
+    no-cache reference, which drops the extra logits the same way. Every token is below the
+    smaller vocabulary (the large model's extra rows are biased to win if they were drawn)."""
+    import dataclasses
+
+    import torch
+
+    from tokencache_models import random_model
+    from tokencache_routing import BernoulliRouter, reference_generate
+
+    small, large = pair
+    cfg = dataclasses.replace(large.config, vocab_size=large.config.vocab_size + 32)
+    wide = random_model(cfg, seed=2, std=0.3)
+    with torch.no_grad():
+        wide.lm_head.weight[small.config.vocab_size :] = 5.0  # would win every argmax
+    router = BernoulliRouter(0.5, seed=3)
+    prompts = make_prompts(3, seed=4, shared=4)
+    eng = RoutedEngine(small, wide, router, num_slots=512)
+    res = eng.generate(prompts, 8)
+    ref, _ = reference_generate(small, wide, prompts, 8, lambda i, p: bool(res.models[i][p]))
+    assert res.tokens == ref and any(any(m) for m in res.models)
+    assert max(max(t) for t in res.tokens) < small.config.vocab_size == eng.vocab_size
