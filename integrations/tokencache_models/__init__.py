@@ -6,7 +6,16 @@ per-model slot pool; prefix slots may be shared between requests (read, never re
 
 from .attention import TorchPagedAttention, TritonPagedAttention, make_attention_backend
 from .batch import ForwardBatch
-from .config import PRESETS, QWEN3_0_6B, QWEN3_8B, QWEN3_32B, ModelConfig
+from .config import (
+    PRESETS,
+    QWEN3_0_6B,
+    QWEN3_8B,
+    QWEN3_32B,
+    R1_DISTILL_QWEN_1_5B,
+    R1_DISTILL_QWEN_32B,
+    ModelConfig,
+    UnsupportedConfigError,
+)
 from .context import ForwardContext, HostBatch, shared_prefix_len
 from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool, SlotAllocator
@@ -41,6 +50,8 @@ __all__ = [
     "QWEN3_0_6B",
     "QWEN3_8B",
     "QWEN3_32B",
+    "R1_DISTILL_QWEN_1_5B",
+    "R1_DISTILL_QWEN_32B",
     "CausalLM",
     "DecodeGraphRunner",
     "ForwardBatch",
@@ -58,6 +69,7 @@ __all__ = [
     "SlotTable",
     "TorchPagedAttention",
     "TritonPagedAttention",
+    "UnsupportedConfigError",
     "empty_model",
     "find_prefix_groups",
     "find_smollm2_gguf",
