@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .context import (
@@ -85,19 +86,35 @@ class DecodeGraphRunner:
         def i64(x: torch.Tensor) -> torch.Tensor:
             return x.to(device=device, dtype=torch.int64)
 
-        self._tokens = i64(torch.zeros(n))
-        self._positions = i64(torch.zeros(n))
-        self._out_slots = i64(torch.zeros(n))
         self._q_offsets = i64(torch.arange(n + 1))  # decode: one token per row, always
         self._last_token = i64(torch.arange(n))
-        self._kv_starts = i64(torch.zeros(n))
-        self._kv_lens = i64(torch.ones(n))
         # A step's slot list when it brings one (ForwardBatch); a slot table is read in place.
         self._kv_slots = i64(torch.zeros(self.kv_capacity))
-        # The step's shared-prefix tables (shared-prefix graphs; prefix_groups.PrefixTables).
-        self._row_skip = i64(torch.zeros(n))
-        self._tiles = i64(torch.zeros(max_tiles(self.prefix_shape, n) * TILE_FIELDS))
-        self._prefix_tokens = i64(torch.zeros(n))
+        # The step's inputs, packed in one buffer so that a step loads them in one copy:
+        # tokens, positions, out slots, row starts and lengths, and the shared-prefix tables
+        # (shared-prefix graphs; prefix_groups.PrefixTables): row skips, tiles, tokens.
+        tiles = max_tiles(self.prefix_shape, n) * TILE_FIELDS
+        self._layout = (n, n, n, n, n, n, tiles, n)
+        self._inputs = i64(torch.zeros(sum(self._layout)))
+        (
+            self._tokens,
+            self._positions,
+            self._out_slots,
+            self._kv_starts,
+            self._kv_lens,
+            self._row_skip,
+            self._tiles,
+            self._prefix_tokens,
+        ) = torch.split(self._inputs, list(self._layout))
+        self._starts = np.cumsum((0, *self._layout[:-1])).tolist()
+        # Off the CPU the host fills a copy of the buffer (pinned on CUDA; two, alternating:
+        # one may still be copying while the next step fills the other); on the CPU the
+        # buffer itself.
+        self._staging = [
+            torch.zeros(len(self._inputs), dtype=torch.int64, pin_memory=device.type == "cuda")
+            for _ in range(0 if device.type == "cpu" else 2)
+        ]
+        self._next_staging = 0
         self._reset()
         self._graphs: dict[tuple[int, int, int, int], tuple[Any, ForwardOutput]] = {}
         self._table: SlotTable | None = None  # the slot table the table-keyed graphs read
@@ -112,17 +129,18 @@ class DecodeGraphRunner:
         return pool
 
     def _reset(self) -> None:
-        """Every row a padding row (token 0 at position 0 over the scratch slot)."""
-        scratch = self.pool.scratch_slot
-        self._tokens.zero_()
-        self._positions.zero_()
-        self._out_slots.fill_(scratch)
-        self._kv_starts.copy_(torch.arange(self.max_rows))
-        self._kv_lens.fill_(1)
-        self._kv_slots[: self.max_rows].fill_(scratch)
-        self._row_skip.zero_()
-        self._tiles.zero_()  # no tiles: the prefix kernel writes nothing
-        self._prefix_tokens.zero_()
+        """Every row a padding row (token 0 at position 0 over the scratch slot), no tiles (the
+        prefix kernel writes nothing); built on the host, so nothing is read back."""
+        scratch, n, at = self.pool.scratch_slot, self.max_rows, self._starts
+        init = np.zeros(len(self._inputs), np.int64)
+        init[at[2] : at[2] + n] = scratch  # out slots
+        init[at[3] : at[3] + n] = np.arange(n)  # row starts: entry i of the slot buffer
+        init[at[4] : at[4] + n] = 1  # row lengths
+        packed = torch.from_numpy(init)
+        self._inputs.copy_(packed)
+        for staging in self._staging:
+            staging.copy_(packed)
+        self._kv_slots[:n].fill_(scratch)
 
     def bucket(self, batch: int) -> int | None:
         return decode_bucket(batch, self.buckets)
@@ -189,35 +207,35 @@ class DecodeGraphRunner:
         )
 
     def _load(self, hb: HostBatch, tables: PrefixTables | None) -> None:
-        """One host-to-device copy of the padded step, then device-side copies into the
-        buffers (rows past the bucket and slot-list entries past its end are never read)."""
+        """The padded step into the static buffers: its inputs in one copy of the packed buffer
+        (written in place on the CPU), the slot table's queued writes (or a step's own slot
+        list) apart. Rows past the bucket and slot-list entries past its end are never read."""
         rows = hb.num_requests
-        arrays = [hb.token_ids, hb.positions, hb.out_slots, hb.kv_starts, hb.kv_lens]
+        if self._staging:
+            staging = self._staging[self._next_staging]
+            self._next_staging ^= 1
+            host = staging.numpy()
+        else:
+            host = self._inputs.numpy()
+        at = self._starts
+        parts = [hb.token_ids, hb.positions, hb.out_slots, hb.kv_starts, hb.kv_lens]
+        for k, a in enumerate(parts):
+            host[at[k] : at[k] + rows] = a
         if tables is not None:
-            arrays += tables.arrays()
-        writes = None
+            host[at[5] : at[5] + rows] = tables.row_skip
+            tiles = tables.tiles.reshape(-1)
+            host[at[6] : at[6] + len(tiles)] = tiles
+            host[at[7] : at[7] + len(tables.tokens)] = tables.tokens
+        if self._staging:
+            self._inputs.copy_(staging, non_blocking=True)
         if hb.table is None:
-            arrays.append(hb.kv_slots)  # the step's own slot list, copied into the buffer
+            (slots,) = to_device([hb.kv_slots], self._kv_slots.device)
+            self._kv_slots[: slots.numel()].copy_(slots)  # the step's own slot list
         else:
             writes = hb.table.take_writes()
-            if writes is not None:
-                arrays += writes  # the table's new entries (O(new tokens))
-        moved = to_device(arrays, self._tokens.device)
-        self._tokens[:rows].copy_(moved[0])
-        self._positions[:rows].copy_(moved[1])
-        self._out_slots[:rows].copy_(moved[2])
-        self._kv_starts[:rows].copy_(moved[3])
-        self._kv_lens[:rows].copy_(moved[4])
-        at = 5
-        if tables is not None:
-            self._row_skip[:rows].copy_(moved[5])
-            self._tiles[: moved[6].numel()].copy_(moved[6])
-            self._prefix_tokens[:rows].copy_(moved[7])
-            at = 8
-        if hb.table is None:
-            self._kv_slots[: moved[at].numel()].copy_(moved[at])
-        elif writes is not None:
-            hb.table.flat.index_copy_(0, moved[at], moved[at + 1])
+            if writes is not None:  # the table's new entries (O(new tokens))
+                flat, vals = to_device(list(writes), self._kv_slots.device)
+                hb.table.flat.index_copy_(0, flat, vals)
 
     @torch.inference_mode()
     def run(self, hb: HostBatch) -> ForwardOutput:
