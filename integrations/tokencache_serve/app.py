@@ -681,8 +681,7 @@ def _too_large(limit: int) -> APIError:
         413,
         f"The request body is larger than this server accepts ({limit} bytes, --max-body-bytes).",
         code="request_too_large",
-        headers={"connection": "close"},  # the rest of the body is never read
-    )
+    )  # the rest of the body is dropped as it comes (runner.guarded_protocol bounds how long)
 
 
 async def _body_within(request: Request, limit: int) -> bytes:

@@ -48,7 +48,8 @@ def guarded_protocol(header_timeout_s: float | None, max_connections: int | None
     """uvicorn's h11 protocol with a request-head timeout and a connection cap.
 
     A connection whose request head is not complete header_timeout_s after it opened (or after
-    its previous response) is closed: slow or silent clients cannot hold connections open.
+    its previous response) is closed: slow or silent clients cannot hold connections open, nor
+    keep sending a body that was refused.
     uvicorn's own limit_concurrency counts tasks too and answers in plain text; this one
     counts open connections and answers 503 in OpenAI's format.
     """
@@ -62,10 +63,13 @@ def guarded_protocol(header_timeout_s: float | None, max_connections: int | None
                 self.app = _overloaded
             self._arm_header_timer()
 
+        def _answered(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
-                self._cancel_header_timer()  # the request head is in
+            if self._header_timer is not None and not self._answered():
+                self._cancel_header_timer()  # a new request's head is in
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -87,10 +91,13 @@ def guarded_protocol(header_timeout_s: float | None, max_connections: int | None
                 self._header_timer = None
 
         def _header_late(self) -> None:
+            # No new request began in time: the client is idle, slow, or still sending the
+            # body of a request already answered (a 413: uvicorn reads and drops the rest, so
+            # that the client, still writing, can read the answer; this bounds how long).
             self._header_timer = None
-            idle = self.cycle is None or self.cycle.response_complete
-            if idle and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()  # nothing to answer: no request has begun
+            waiting = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+            if self._answered() and waiting and not self.transport.is_closing():
+                self.transport.close()
 
     return GuardedH11Protocol
 
