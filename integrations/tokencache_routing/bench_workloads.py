@@ -298,6 +298,25 @@ def sweep_table(rows: Sequence[Any]) -> str:
             tpot = "-" if tc is None else f"{tc.tpot_p50_ms:.2f} / {tc.tpot_p99_ms:.1f}"
             ratios = [_ratio(tc, by.get(s)) for s in ("naive", "naive-sglang", "large alone")]
             out.append(f"| {c} | " + " | ".join([*cells, *ratios, lat, tpot]) + " |")
+        out.append(
+            f"\n{wl}, {new} new tokens, p = {p:.2f}: TTFT p50 / TPOT p50 / TPOT p99 (ms, engine "
+            "clock) against concurrency\n"
+        )
+        out.append("| c | " + " | ".join(SWEEP_SYSTEMS) + " |")
+        out.append("|---:|" + "---:|" * len(SWEEP_SYSTEMS))
+        for c in cs:
+            by = _by(rows, workload=wl, max_new=new, max_running=c, p=p) | {
+                k: v
+                for k, v in _by(rows, workload=wl, max_new=new, max_running=c, p=0.0).items()
+                if k in ("small alone", "large alone")
+            }
+            cells = [
+                f"{by[s].ttft_p50_ms:.1f} / {by[s].tpot_p50_ms:.2f} / {by[s].tpot_p99_ms:.1f}"
+                if s in by
+                else "-"
+                for s in SWEEP_SYSTEMS
+            ]
+            out.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
