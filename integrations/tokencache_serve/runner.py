@@ -44,6 +44,39 @@ async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+LINGER_S = 5.0  # how long a refused body is still read (and dropped) after its answer
+
+
+class _LingeringTransport:
+    """A connection's transport whose close(), while the client is still sending the body of
+    a request already answered (a 413), first half-closes and drops what still comes for
+    LINGER_S (nginx's lingering close): a client that writes its whole body before reading
+    (urllib, which also asks for Connection: close) then reads the 413 instead of a reset."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        t = self._transport
+        if self.lingering or t.is_closing():
+            return  # the linger timer closes it (or it is closed already)
+        if self._protocol.conn.their_state is h11.SEND_BODY and t.can_write_eof():
+            self.lingering = True
+            t.write_eof()  # after what is buffered: the answer goes out whole
+            t.resume_reading()
+            self._protocol.loop.call_later(LINGER_S, t.close)
+            return
+        t.close()
+
+
 def guarded_protocol(header_timeout_s: float | None, max_connections: int | None) -> type:
     """uvicorn's h11 protocol with a request-head timeout and a connection cap.
 
@@ -56,9 +89,11 @@ def guarded_protocol(header_timeout_s: float | None, max_connections: int | None
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _lingering: _LingeringTransport
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            self._lingering = _LingeringTransport(transport, self)
+            super().connection_made(self._lingering)  # type: ignore[arg-type]
             if max_connections is not None and len(self.connections) > max_connections:
                 self.app = _overloaded
             self._arm_header_timer()
@@ -67,6 +102,8 @@ def guarded_protocol(header_timeout_s: float | None, max_connections: int | None
             return self.cycle is None or self.cycle.response_complete
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering.lingering:
+                return  # the rest of a refused body: dropped
             super().data_received(data)
             if self._header_timer is not None and not self._answered():
                 self._cancel_header_timer()  # a new request's head is in
