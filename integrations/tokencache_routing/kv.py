@@ -81,6 +81,11 @@ class ModelSide:
         self.free(slots)
         return len(slots)
 
+    def cached_prefix_len(self, tokens: np.ndarray) -> int:
+        """How many leading tokens this side's prefix cache holds (a match, timed as one)."""
+        with self.bookkeeping("match"):
+            return int(self.tree.match_prefix(tokens).length)
+
     def cached_size(self) -> int:
         return int(self.tree.total_size())
 

@@ -133,6 +133,13 @@ class SGLangSide(ModelSide):
         self.bookkeeping_s -= self.allocator.free_s - free0  # the pool's own work
         return int(res.num_tokens_evicted)
 
+    def cached_prefix_len(self, tokens: np.ndarray) -> int:
+        """What SGLang's cache holds of tokens (the scheduler's hold-back asks; the tokencache
+        tree the base class builds is empty here and would always answer 0)."""
+        with self.bookkeeping("match"):
+            m = self.cache.match_prefix(_SGL.MatchPrefixParams(key=_key(tokens)))  # type: ignore[union-attr]
+        return int(m.device_prefix_len)
+
     def cached_size(self) -> int:
         return int(self.cache.total_size())
 

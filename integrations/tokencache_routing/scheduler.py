@@ -292,8 +292,7 @@ class Scheduler:
         side = self.sides[kind]
 
         def cached(r: Request) -> int:
-            with side.bookkeeping("match"):
-                return int(side.tree.match_prefix(r.seq[: r.n - 1]).length)
+            return side.cached_prefix_len(r.seq[: r.n - 1])
 
         return cached
 

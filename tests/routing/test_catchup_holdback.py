@@ -130,3 +130,23 @@ def test_held_request_goes_in_next_batch() -> None:
     # The batch cap: requests beyond it stay parked in order, not counted as held.
     batch, rest, held = take_catchup_batch([other, *fresh], 1, LARGE, 1)
     assert batch == [other] and rest == fresh and held == []
+
+
+def test_a_cached_prompt_holds_nobody_back(pair: Any) -> None:
+    """The hold-backs ask the model side how much of a prompt its cache holds
+    (ModelSide.cached_prefix_len): once a system prompt is cached, requests on it are admitted
+    together and catch up together (nothing held back), where an uncached one holds them."""
+    from tokencache_routing import RoutedEngine
+
+    system = make_prompts(1, seed=21, shared=0, lo=24, hi=24)[0]
+    prompts = [system + q for q in make_prompts(6, seed=22, shared=0, lo=3, hi=6)]
+    cold = RoutedEngine(*pair, ScriptedRouter(default=[1]), 1024)
+    cold.generate(prompts, 4)
+    assert cold.stats.held_back > 0
+    warm = RoutedEngine(*pair, ScriptedRouter(default=[0, 1]), 1024)
+    warm.generate([system], 1)  # cached in both models (escalated at its first token)
+    warm.sched.router = ScriptedRouter(default=[1])
+    before = (warm.stats.held_back, warm.stats.large_held_back)
+    warm.generate(prompts, 4)
+    assert (warm.stats.held_back, warm.stats.large_held_back) == before == (0, 0)
+    assert warm.idle_invariant()
