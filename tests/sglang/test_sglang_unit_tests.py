@@ -1,7 +1,9 @@
 """SGLang's own RadixCache unit tests (test/srt/test_radix_cache_unit.py, the cases of its
-prefix-cache contract that 0.5.23's API runs), each run on RadixCache and on this backend with
-the same assertions, plus the two behaviours they found missing here: ``kv_events`` set as
-RadixCache sets it, and an insert whose value repeats a slot (SGLang's token-id fallback)."""
+prefix-cache contract that 0.5.23's API runs: not those of TreeNode / RadixKey internals, nor of
+features newer than 0.5.23 such as partial-prefix reuse), each run on RadixCache and on this
+backend with the same assertions, plus the two behaviours they found missing here:
+``kv_events`` set as RadixCache sets it, and an insert whose value repeats a slot (SGLang's
+token-id fallback)."""
 
 from __future__ import annotations
 
@@ -150,6 +152,63 @@ def test_lock_ref_operations(sgl: SimpleNamespace, cls: Any) -> None:
     assert (cache.evictable_size(), cache.protected_size()) == (evictable - 3, protected + 3)
     cache.dec_lock_ref(node)
     assert (cache.evictable_size(), cache.protected_size()) == (evictable, protected)
+
+
+def test_evict_functionality(sgl: SimpleNamespace, cls: Any) -> None:
+    allocator = unittest.mock.Mock()
+    allocator.device = sgl.torch.device("cpu")
+    cache = cls.create_simulated(mock_allocator=allocator)
+    insert(sgl, cache, [1, 2], [10, 20])
+    insert(sgl, cache, [3, 4], [30, 40])
+    before = cache.total_size()
+    assert cache.evict(sgl.EvictParams(num_tokens=2)).num_tokens_evicted >= 2
+    allocator.free_segment.assert_called()
+    assert cache.total_size() < before
+
+
+@pytest.mark.parametrize(("page_size", "length"), [(1, 5), (2, 5), (4, 6)])
+def test_page_alignment_boundary(
+    sgl: SimpleNamespace, cls: Any, page_size: int, length: int
+) -> None:
+    cache = cls.create_simulated(page_size=page_size)
+    tokens = list(range(length))
+    insert(sgl, cache, tokens, tokens)
+    r = match(sgl, cache, tokens)
+    assert r.device_prefix_len > 0 and r.device_prefix_len % page_size == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_advanced_prefix_match_with_node_splits(
+    sgl: SimpleNamespace, cls: Any, page_size: int
+) -> None:
+    cache = cls.create_simulated(page_size=page_size)
+    seq1, seq2 = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 9, 10]
+    insert(sgl, cache, seq1, [x * 10 for x in seq1])
+    insert(sgl, cache, seq2, [x * 10 for x in seq2])
+    assert cache.total_size() == 10
+
+    def slots(tokens: list[int]) -> list[int]:
+        r = match(sgl, cache, tokens)
+        got: list[int] = cache.path_device_indices(r.last_device_node).tolist()
+        return got[: r.device_prefix_len]
+
+    assert slots([1, 2, 3, 4, 999, 1000]) == [10, 20, 30, 40]
+    assert cache.total_size() == 10  # a split changes no data
+    assert slots(seq1) == [x * 10 for x in seq1]
+    assert slots([1, 2, 3, 4, 5, 6, 777, 888]) == [10, 20, 30, 40, 50, 60]
+    assert slots(seq2) == [x * 10 for x in seq2]
+
+
+def test_hash_value_repeating_tokens(sgl: SimpleNamespace, cls: Any) -> None:
+    """Token-id values repeat here ([1, 2, 3, 4] twice): one of the two cases that failed."""
+    from sglang.srt.disaggregation.kv_events import BlockStored
+
+    cache = cls.create_simulated(page_size=4, enable_kv_cache_events=True)
+    insert(sgl, cache, [1, 2, 3, 4, 1, 2, 3, 4], None)
+    (stored,) = [e for e in cache.take_events() if isinstance(e, BlockStored)]
+    first, second = stored.block_hashes
+    assert first != second  # position-aware hashes
+    assert stored.parent_block_hash is None
 
 
 # ------------------------------------------------------------ what these tests found missing
