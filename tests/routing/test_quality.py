@@ -136,3 +136,43 @@ def test_offline_curve_equals_the_real_engine(early_exit_pair: Any) -> None:
             assert 0 < tok < 1  # not vacuous: some answers diverge, some tokens agree
             checked += 1
     assert checked == 4
+
+
+def test_serve_loads_an_exit_head_small_model_and_a_neural_router(
+    early_exit_pair: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tokencache serve --small exit:PATH --router neural:PATH`: the model and router the
+    curve measured, loaded by the server's own functions (the large model stubbed tiny)."""
+    pytest.importorskip("starlette")
+    from tokencache_models.early_exit import save_exit_head
+    from tokencache_serve import loading
+
+    large, small, prompts, trace = early_exit_pair
+    head = small.model.norm
+    save_exit_head(tmp_path / "head.pt", 1, head)
+
+    class Tok:
+        eos_token_id = None
+
+    monkeypatch.setattr(loading, "_load_one", lambda *a, **k: (large, Tok()))
+    models = loading.load_models("tiny", small=f"exit:{tmp_path / 'head.pt'}")
+    assert "exit head" in models.description
+    assert (
+        len(models.small.model.layers) == 1
+        and models.small.model.layers[0] is large.model.layers[0]
+    )
+    rows = small_rows(large, head, trace.layer_hidden[1], trace.tokens)
+    router = train(rows.features(), epochs=2, width=32, num_blocks=1)
+    router.threshold = 0.5
+    router.save(tmp_path / "router.pt")
+    loaded = loading.parse_router(f"neural:{tmp_path / 'router.pt'}", models.small)
+    want = RoutedEngine(
+        small,
+        large,
+        router.__class__.load(tmp_path / "router.pt", embedding=large.model.embed_tokens.weight),
+        num_slots=2048,
+    ).generate(prompts[:6], 8)
+    got = RoutedEngine(models.small, large, loaded, num_slots=2048).generate(prompts[:6], 8)
+    assert got.tokens == want.tokens and got.models == want.models
+    with pytest.raises(FileNotFoundError):
+        loading.load_models("tiny", small=f"exit:{tmp_path / 'missing.pt'}")
