@@ -328,10 +328,10 @@ class Server:
         """Worker thread: parse, validate, tokenize; every refusal an APIError."""
         req = parse_completion(parse_json_body(raw), self.config.default_temperature)
         self._check_model(req.params.model)
-        if isinstance(req.prompt, list):
-            self._check_prompt_len(len(req.prompt), "prompt")  # before walking a long list
-        ids = self._encode(req.prompt, add_special_tokens=True)
         default = self.config.completion_max_tokens
+        if isinstance(req.prompt, list):  # the length limits first: before walking a long list
+            self._max_tokens(req.params, len(req.prompt), default, "prompt")
+        ids = self._encode(req.prompt, add_special_tokens=True)
         return req, ids, self._max_tokens(req.params, len(ids), default, "prompt")
 
     def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, list[int], int]:
