@@ -22,18 +22,18 @@ HEADER_TIMEOUT_S = 10.0  # a request head (request line and headers) must arrive
 MAX_CONNECTIONS = 512  # open connections; one more is answered 503 and closed
 
 
+def _error_body(message: str, type: str, code: str) -> bytes:
+    err = {"message": message, "type": type, "param": None, "code": code}
+    return json.dumps({"error": err}).encode()
+
+
 async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
     """The answer to a connection over the cap, in OpenAI's error format."""
-    body = json.dumps(
-        {
-            "error": {
-                "message": "The server has too many open connections; retry later.",
-                "type": "server_error",
-                "param": None,
-                "code": "too_many_connections",
-            }
-        }
-    ).encode()
+    body = _error_body(
+        "The server has too many open connections; retry later.",
+        "server_error",
+        "too_many_connections",
+    )
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -116,6 +116,24 @@ def guarded_protocol(header_timeout_s: float | None, max_connections: int | None
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            # Not HTTP at all (a bad request line or header): uvicorn's 400, in OpenAI's format.
+            body = _error_body(
+                "Invalid HTTP request received.", "invalid_request_error", "invalid_http"
+            )
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ]
+            for event in (
+                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
+                self.transport.write(self.conn.send(event) or b"")
+            self.transport.close()
 
         def _arm_header_timer(self) -> None:
             self._cancel_header_timer()

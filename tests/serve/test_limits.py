@@ -155,6 +155,17 @@ def test_slow_or_silent_headers_are_closed(tiny: Any) -> None:
         assert post_json(srv.url, C, GOOD)[0] == 200
 
 
+@pytest.mark.parametrize(
+    "junk",
+    [b"GARBAGE\r\n\r\n", head("-5"), head("12, 13"), b"POST / HTTP/1.1\r\nBad Header\r\n\r\n"],
+)
+def test_not_http_gets_a_json_400(tiny: Any, junk: bytes) -> None:
+    with server(tiny) as srv:
+        status, _, body = read_response(raw_request(srv, junk))
+        assert status == 400 and body["error"]["code"] == "invalid_http"
+        assert post_json(srv.url, C, GOOD)[0] == 200
+
+
 def test_connection_cap(tiny: Any) -> None:
     with server(tiny, max_connections=2, header_timeout_s=None) as srv:
         idle = [socket.create_connection((srv.host, srv.port), timeout=30) for _ in range(2)]
