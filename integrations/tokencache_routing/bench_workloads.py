@@ -333,9 +333,9 @@ def length_table(rows: Sequence[Any]) -> str:
             "| new tokens | "
             + "".join(f"{s} tok/s | " for s in bounds)
             + " | ".join(f"{s} tok/s | {s} bookkeeping" for s in systems)
-            + " | tc / naive-sglang | tc / large alone |"
+            + " | tc / naive | tc / naive-sglang | tc / large alone |"
         )
-        out.append("|---:|" + "---:|" * len(bounds) + "---:|---:|" * len(systems) + "---:|---:|")
+        out.append("|---:|" + "---:|" * (len(bounds) + 2 * len(systems) + 3))
         for new in news:
             by = _by(rows, workload=wl, max_new=new, max_running=c, p=p) | {
                 k: v
@@ -351,7 +351,7 @@ def length_table(rows: Sequence[Any]) -> str:
                     else [f"{r.tokens_per_s:.0f}", f"{100 * r.bookkeeping_share:.2f}%"]
                 )
             tc = by.get("tokencache")
-            cells += [_ratio(tc, by.get("naive-sglang")), _ratio(tc, by.get("large alone"))]
+            cells += [_ratio(tc, by.get(s)) for s in ("naive", "naive-sglang", "large alone")]
             out.append(f"| {new} | " + " | ".join(cells) + " |")
         for s in COMPARED:
             pts = sorted(

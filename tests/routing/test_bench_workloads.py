@@ -83,7 +83,8 @@ def test_reasoning_concurrency_sweep(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "host time" in out  # what the clock charges of the host's time, said
     assert "decode tok/s against concurrency" in out
     sweep = [x for x in out.splitlines() if x.startswith(("| 1 |", "| 4 |"))]
-    assert len(sweep) == 2
+    assert len(sweep) == 4  # a row per concurrency in the tok/s and the latency tables
+    assert "TTFT p50 / TPOT p50 / TPOT p99" in out
     assert "paper ms" in out  # the breakdown beside the published profile
     rows = _rows(tmp_path)
     ran = {r["system"] for r in rows}
