@@ -47,7 +47,7 @@ from .protocol import (
     parse_json_body,
     shown,
 )
-from .security import APIKeyMiddleware
+from .security import APIKeyMiddleware, TrustedHostMiddleware
 
 log = logging.getLogger("tokencache_serve")
 
@@ -70,6 +70,7 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # the largest max_tokens accepted; None: the context's
     api_key: str | None = None  # checked on every /v1 route (Authorization: Bearer KEY)
     allowed_origins: tuple[str, ...] = ()  # CORS; none by default (no CORS headers at all)
+    allowed_hosts: tuple[str, ...] | None = None  # Host header values served; None: any
     tokenizer_threads: int = 2  # per pool: one for prompts, one for outputs
     system_fingerprint: str | None = None  # None: from the model name and tokencache's version
 
@@ -153,6 +154,8 @@ class Server:
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         middleware = []
+        if config.allowed_hosts is not None:
+            middleware.append(Middleware(TrustedHostMiddleware, hosts=config.allowed_hosts))
         if config.allowed_origins:
             middleware.append(
                 Middleware(

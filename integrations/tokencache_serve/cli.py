@@ -155,6 +155,13 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
         f"default: the {API_KEY_ENV} environment variable, else no key",
     )
     sec.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host header values served (others get 400); '*' for any. "
+        "Default: localhost, 127.0.0.1 and ::1 when --host is a loopback address (a web page "
+        "rebinding its DNS to this machine is refused), else any",
+    )
+    sec.add_argument(
         "--allowed-origins",
         default=None,
         help="comma-separated origins allowed by CORS (e.g. https://app.example); default: "
@@ -206,8 +213,15 @@ def warn_if_exposed(host: str, key: str | None) -> bool:
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
     from .app import ServerConfig
+    from .security import LOOPBACK_HOSTS
 
     origins = tuple(o.strip() for o in (a.allowed_origins or "").split(",") if o.strip())
+    hosts: tuple[str, ...] | None
+    if a.allowed_hosts is None:
+        hosts = LOOPBACK_HOSTS if is_loopback(a.host) else None
+    else:
+        hosts = tuple(h.strip() for h in a.allowed_hosts.split(",") if h.strip())
+        hosts = None if "*" in hosts else hosts
     return ServerConfig(
         model_name=a.served_model_name,
         chat_max_tokens=a.max_tokens_default,
@@ -218,6 +232,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         max_tokens_limit=a.max_tokens_limit,
         api_key=api_key(a),
         allowed_origins=origins,
+        allowed_hosts=hosts,
         tokenizer_threads=a.tokenizer_threads,
     )
 

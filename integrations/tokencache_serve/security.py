@@ -1,7 +1,8 @@
-"""API-key authentication for the /v1 routes (OpenAI's `Authorization: Bearer KEY`).
+"""API-key authentication for the /v1 routes (OpenAI's `Authorization: Bearer KEY`), and the
+Host check that keeps a DNS-rebinding web page off a loopback server.
 
-A pure ASGI middleware, so a refused request is answered before its body is read or anything
-else runs. /health and /metrics stay open (probes and scrapers carry no key).
+Pure ASGI middlewares, so a refused request is answered before its body is read or anything
+else runs. /health and /metrics need no key (probes and scrapers carry none).
 """
 
 from __future__ import annotations
@@ -13,11 +14,54 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 PROTECTED_PREFIX = "/v1"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def _error(message: str, code: str | None) -> bytes:
     err = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
     return json.dumps({"error": err}).encode()
+
+
+async def _refuse(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def host_name(value: bytes) -> str:
+    """The host of a Host header, without its port ("[::1]:8000" -> "::1")."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].partition("]")[0]
+    return text.rpartition(":")[0] if text.count(":") == 1 else text
+
+
+class TrustedHostMiddleware:
+    """Refuses (400) a request whose Host is not one of `hosts`. A web page that rebinds its
+    own domain's DNS to 127.0.0.1 talks to a loopback server as its own origin (no CORS in the
+    way, any Content-Type); its requests still name its domain in Host, and are refused."""
+
+    def __init__(self, app: ASGIApp, hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self._hosts = frozenset(h.lower().strip("[]") for h in hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = next((v for k, v in scope["headers"] if k == b"host"), b"")
+        if host_name(host) in self._hosts:
+            await self.app(scope, receive, send)
+            return
+        body = _error(
+            "The Host header names a host this server does not serve (--allowed-hosts).",
+            "invalid_host",
+        )
+        await _refuse(send, 400, body, [])
 
 
 class APIKeyMiddleware:
@@ -58,10 +102,4 @@ class APIKeyMiddleware:
             body = _error("Incorrect API key provided.", "invalid_api_key")
         if self._on_refusal is not None:
             self._on_refusal(path, 401)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]
-        await send({"type": "http.response.start", "status": 401, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await _refuse(send, 401, body, [(b"www-authenticate", b"Bearer")])

@@ -1,6 +1,7 @@
 """--api-key on every /v1 route (401 in OpenAI's format, before the body is read), /health and
 /metrics open; CORS only for --allowed-origins (none by default); the key from
-TOKENCACHE_API_KEY; a warning for a non-loopback host served without a key."""
+TOKENCACHE_API_KEY; a warning for a non-loopback host served without a key; the Host check
+(--allowed-hosts) against DNS rebinding."""
 
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ def test_flags_in_help(capsys: pytest.CaptureFixture[str]) -> None:
     for flag in (
         "--api-key",
         "--allowed-origins",
+        "--allowed-hosts",
         "--max-body-bytes",
         "--max-prompt-tokens",
         "--max-tokens-limit",
@@ -143,3 +145,52 @@ def test_flags_in_help(capsys: pytest.CaptureFixture[str]) -> None:
         API_KEY_ENV,
     ):
         assert flag in out
+
+
+def test_host_check_against_dns_rebinding(tiny: Any) -> None:
+    """A page on evil.example that rebinds its DNS to 127.0.0.1 is same-origin to itself (no
+    preflight, any Content-Type), but its requests name its own host: refused."""
+    import http.client
+
+    from tokencache_serve.security import LOOPBACK_HOSTS
+
+    config = ServerConfig(model_name=MODEL, allowed_hosts=LOOPBACK_HOSTS)
+    app = create_app(make_engine(tiny, num_slots=1024), tiny[2], config)
+    with BackgroundServer(app) as srv:
+        for host, want in (
+            (f"127.0.0.1:{srv.port}", 200),
+            (f"localhost:{srv.port}", 200),
+            (f"[::1]:{srv.port}", 200),
+            ("localhost", 200),
+            (f"evil.example:{srv.port}", 400),
+            (f"localhost.evil.example:{srv.port}", 400),
+            ("", 400),
+        ):
+            conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+            conn.putrequest("POST", C, skip_host=True)
+            conn.putheader("Host", host)
+            data = json.dumps(GOOD).encode()
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(data)))
+            conn.endheaders(data)
+            r = conn.getresponse()
+            body = json.loads(r.read())
+            assert r.status == want, (host, body)
+            if want == 400:
+                assert body["error"]["code"] == "invalid_host"
+            conn.close()
+
+
+def test_allowed_hosts_defaults() -> None:
+    from tokencache_serve.security import LOOPBACK_HOSTS
+
+    def hosts(*argv: str) -> Any:
+        return server_config(build_parser().parse_args(["serve", *argv])).allowed_hosts
+
+    assert hosts() == LOOPBACK_HOSTS  # --host 127.0.0.1
+    assert hosts("--host", "0.0.0.0") is None  # reached by other names: any host
+    assert hosts("--host", "0.0.0.0", "--allowed-hosts", "api.example, 10.0.0.2") == (
+        "api.example",
+        "10.0.0.2",
+    )
+    assert hosts("--allowed-hosts", "*") is None
