@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from .routers import NeuralRouter
 
 SHARES = (0.0, 0.025, 0.05, 0.075, 0.10, 0.125, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.75, 1.0)
+# The plot's grid: the table's and every 5% between.
+CURVE_SHARES = tuple(sorted({*SHARES, *(i / 20 for i in range(21))}))
 OPERATING_SHARE = 0.15
 ROUTERS = ("entropy", "top1-prob", "neural")
 
@@ -377,8 +379,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     differs = lab.test.label.numpy() > 0.5
     points: list[Point] = []
     for name, (scores, scale) in router_scores(lab.test, neural).items():
-        points += sweep(name, scores, differs, offsets, SHARES, scale)
-    points += random_curve(differs, offsets, SHARES)
+        points += sweep(name, scores, differs, offsets, CURVE_SHARES, scale)
+    points += random_curve(differs, offsets, CURVE_SHARES)
     at = {n: at_share([p for p in points if p.router == n], OPERATING_SHARE) for n in ROUTERS}
     train_scores = router_scores(lab.train, neural)
     operating = [
