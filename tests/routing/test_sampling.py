@@ -201,3 +201,27 @@ def test_one_bad_row_ends_its_request_alone(
     for i in (0, 2, 3):
         assert faulty[i].finished_reason == clean[i].finished_reason == "length"
         assert (faulty[i].tokens, faulty[i].models) == (clean[i].tokens, clean[i].models)
+
+
+def test_unseeded_requests_get_a_random_seed() -> None:
+    """seed=None: each request draws its own seed once (then keeps its generator)."""
+    reqs = requests([SamplingParams(1.0) for _ in range(200)])
+    tok, failed = sample(LOGITS.expand(200, -1), reqs)
+    assert not failed and len(set(tok.tolist())) > 3
+    gens = [r.generator for r in reqs]
+    assert all(g is not None for g in gens)
+    sample(LOGITS.expand(200, -1), reqs)
+    assert [r.generator for r in reqs] == gens  # made once, kept
+
+
+def test_nucleus_boundary_is_exclusive() -> None:
+    """The mass before a token must be below top_p for it to stay: two tied tokens of 0.5 at
+    top_p 0.5 keep only the first in a stable sort (vocabulary order), as HF's top_p does;
+    at 0.51 both stay."""
+    logits = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")]).expand(400, -1)
+    half = requests([SamplingParams(1.0, 0.5, seed=s) for s in range(400)])
+    tok, failed = sample(logits, half)
+    assert not failed and set(tok.tolist()) == {0}
+    wider = requests([SamplingParams(1.0, 0.51, seed=s) for s in range(400)])
+    tok, failed = sample(logits, wider)
+    assert not failed and set(tok.tolist()) == {0, 1}
