@@ -8,7 +8,8 @@ use tokencache_core::{RadixTree, TreeConfig};
 fn lock_ref_counts_locks_and_pins_on_the_node_itself() {
     let tree = RadixTree::new(TreeConfig::default()).unwrap();
     tree.insert(&[1, 2], &[10, 11], None, 0).unwrap();
-    tree.insert(&[1, 2, 3, 4], &[10, 11, 12, 13], None, 0).unwrap();
+    tree.insert(&[1, 2, 3, 4], &[10, 11, 12, 13], None, 0)
+        .unwrap();
     let leaf = tree.match_prefix(&[1, 2, 3, 4], None).node;
     let parent = tree.match_prefix(&[1, 2], None).node;
     assert_eq!((leaf.lock_ref(), parent.lock_ref()), (0, 0));
