@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP app (Starlette) over a RoutedEngine running its driver thread.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
-GET /v1/models/{id}, GET /health, GET /metrics. A request body is read under a size limit and a
-deadline, then parsed, validated and tokenized in a worker thread (refusals are OpenAI error
-objects; the event loop keeps serving /health and every stream meanwhile), submitted to the
-engine, and answered by a GenerationResponse that watches the connection: a client that leaves
-aborts its request at once. A failure in one request's own work ends that request alone.
+GET /v1/models/{id}, GET /health, GET /metrics, and what a gateway (SGLang Model Gateway)
+probes on an SGLang worker: GET /server_info, /model_info, /v1/loads. A request body is read
+under a size limit and a deadline, then parsed, validated and tokenized in a worker thread
+(refusals are OpenAI error objects; the event loop keeps serving /health and every stream
+meanwhile), submitted to the engine, and answered by a GenerationResponse that watches the
+connection: a client that leaves aborts its request at once. A failure in one request's own
+work ends that request alone.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -49,13 +52,25 @@ from .protocol import (
 )
 from .security import APIKeyMiddleware, TrustedHostMiddleware
 
+if TYPE_CHECKING:
+    from .kv_events import KVEventsConfig, ZmqKVEventPublisher
+
 log = logging.getLogger("tokencache_serve")
 
 
 T = TypeVar("T")
 MAX_BODY_BYTES = 8 * 2**20
 BODY_TIMEOUT_S = 30.0
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/server_info",
+    "/model_info",
+    "/v1/loads",
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,10 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None  # Host header values served; None: any
     tokenizer_threads: int = 2  # per pool: one for prompts, one for outputs
     system_fingerprint: str | None = None  # None: from the model name and tokencache's version
+    # Publish the small model's KV events as an SGLang worker does (kv_events.py); /server_info
+    # describes the publisher. None: no events.
+    kv_events: KVEventsConfig | None = None
+    max_running: int | None = None  # reported by /server_info and /v1/loads
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "tokenizer_threads"):
@@ -140,6 +159,15 @@ class Server:
         self.inflight: set[Generation] = set()  # submitted, response not finished
         self._waker: LoopWaker | None = None  # made in the serving loop (lifespan)
         self.metrics = ServerMetrics(engine.metrics)
+        # (prompt tokens looked up, of them cached in the small model) for /v1/loads
+        self._prefix_counts = (0, 0)
+        self._prefix_lock = threading.Lock()
+        self.kv_publisher: ZmqKVEventPublisher | None = None
+        if config.kv_events is not None and config.kv_events.publisher != "null":
+            from .kv_events import ZmqKVEventPublisher, enable_tree_events
+
+            # before the engine starts: its tree must record from the first insert
+            self.kv_publisher = ZmqKVEventPublisher(enable_tree_events(engine), config.kv_events)
         # Prompts (JSON, chat template, encode) and outputs (decode, stop strings) in their own
         # threads: a huge prompt never stalls the loop, nor other requests' streams.
         n = config.tokenizer_threads
@@ -152,6 +180,9 @@ class Server:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
+            Route("/v1/loads", self.loads, methods=["GET"]),
         ]
         middleware = []
         if config.allowed_hosts is not None:
@@ -187,12 +218,16 @@ class Server:
         self._waker = LoopWaker(asyncio.get_running_loop())
         if self.manage_engine:
             self.engine.start()
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
         log.info("serving %s (max context %d)", self.config.model_name, self.max_context)
         try:
             yield
         finally:
             if self.manage_engine:
                 self.engine.shutdown()
+            if self.kv_publisher is not None:
+                self.kv_publisher.shutdown()
             for pool in (self.prompt_pool, self.output_pool):
                 pool.shutdown(wait=False, cancel_futures=True)
 
@@ -271,6 +306,113 @@ class Server:
         self._check_model(request.path_params["model_id"])
         return JSONResponse(self._model_card())
 
+    # ------------------------------------------------ what a gateway reads off a worker
+    # SGLang Model Gateway (smg) identifies a worker's engine by /v1/models' owned_by, else by
+    # which of /server_info (SGLang) and /version (vLLM) answer: these make this server an
+    # SGLang-protocol HTTP worker. Only the fields a router uses are given.
+
+    def _kv_usage(self) -> tuple[int, int]:
+        """(slots held by requests, pool slots) of the small model, the one that prefills
+        every prompt: a cached prefix nobody pins is free to evict, so it is not load."""
+        m = self.engine.metrics()
+        total = int(m.get("small_kv_slots_total", 0))
+        evictable = int(m.get("small_kv_slots_cached", 0)) - int(m.get("small_kv_slots_pinned", 0))
+        used = int(m.get("small_kv_slots_used", 0)) - max(0, evictable)
+        return max(0, used), total
+
+    async def server_info(self, _request: Request) -> Response:
+        import tokencache
+
+        _, total = self._kv_usage()
+        page = int(self.engine.small.tree.page_size)
+        cfg = self.config.kv_events
+        kv = None
+        if cfg is not None:
+            from .kv_events import describe
+
+            kv = describe(cfg, page)
+        return JSONResponse(
+            {
+                "served_model_name": self.config.model_name,
+                "model_path": self.config.model_name,
+                "tokenizer_path": None,
+                "is_embedding": False,
+                "page_size": page,
+                "context_length": self.max_context,
+                "max_total_num_tokens": total,
+                "max_running_requests": self.config.max_running,
+                "tp_size": 1,
+                "dp_size": 1,
+                "kv_events": kv,
+                "kv_events_config": None if cfg is None else cfg.to_json(),
+                "version": tokencache.__version__,
+                "frontend": "tokencache",
+            }
+        )
+
+    async def model_info(self, _request: Request) -> Response:
+        cfg = self.engine.large.model.config
+        return JSONResponse(
+            {
+                "model_path": self.config.model_name,
+                "served_model_name": self.config.model_name,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(cfg, "model_type", None),
+                "architectures": None,
+                "weight_version": "default",
+            }
+        )
+
+    async def loads(self, _request: Request) -> Response:
+        """SGLang's /v1/loads: one entry (dp_rank 0) with the core load numbers."""
+        import datetime
+
+        import tokencache
+
+        m = self.engine.metrics()
+        used, total = self._kv_usage()
+        with self._prefix_lock:
+            looked_up, hit = self._prefix_counts
+        load = {
+            "dp_rank": 0,
+            "num_running_reqs": int(m.get("requests_running", 0)),
+            "num_waiting_reqs": int(m.get("requests_waiting", 0)),
+            "num_used_tokens": used,
+            "num_total_tokens": used,
+            "max_total_num_tokens": total,
+            "max_running_requests": self.config.max_running or 0,
+            "token_usage": used / total if total else 0.0,
+            "cache_hit_rate": hit / looked_up if looked_up else 0.0,
+        }
+        return JSONResponse(
+            {
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "version": tokencache.__version__,
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [load],
+            }
+        )
+
+    def _count_cached_prefix(self, ids: list[int]) -> None:
+        """Prompt tokens each model's prefix cache holds at arrival (what a prefix-aware
+        gateway wins): the longest match of all but the last token, as the engine admits.
+        Worker thread; the tree is thread-safe (a split keeps every handle valid)."""
+        if len(ids) < 2:
+            return
+        head = ids[:-1]
+        self.metrics.prompt_tokens_looked_up.inc(len(head))
+        hits = {}
+        for side in self.engine.sides:
+            hits[side.name] = int(side.tree.match_prefix(head).length)
+            self.metrics.prompt_tokens_cached.labels(side.name).inc(hits[side.name])
+        with self._prefix_lock:
+            looked_up, hit = self._prefix_counts
+            self._prefix_counts = (looked_up + len(head), hit + hits.get("small", 0))
+
     async def prometheus(self, _request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -335,14 +477,17 @@ class Server:
         if isinstance(req.prompt, list):  # the length limits first: before walking a long list
             self._max_tokens(req.params, len(req.prompt), default, "prompt")
         ids = self._encode(req.prompt, add_special_tokens=True)
-        return req, ids, self._max_tokens(req.params, len(ids), default, "prompt")
+        max_tokens = self._max_tokens(req.params, len(ids), default, "prompt")
+        self._count_cached_prefix(ids)
+        return req, ids, max_tokens
 
     def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, list[int], int]:
         req = parse_chat(parse_json_body(raw), self.config.default_temperature)
         self._check_model(req.params.model)
         ids = self._encode(self._apply_template(req.messages), add_special_tokens=False)
-        default = self.config.chat_max_tokens
-        return req, ids, self._max_tokens(req.params, len(ids), default, "messages")
+        max_tokens = self._max_tokens(req.params, len(ids), self.config.chat_max_tokens, "messages")
+        self._count_cached_prefix(ids)
+        return req, ids, max_tokens
 
     def _apply_template(self, messages: list[dict[str, str]]) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:

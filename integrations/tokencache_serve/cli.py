@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from starlette.applications import Starlette
 
     from .app import ServerConfig
+    from .kv_events import KVEventsConfig
 
 log = logging.getLogger("tokencache_serve")
 
@@ -35,7 +36,8 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--large",
         default="smollm2",
-        help="large model: 'smollm2' (bundled GGUF, default), a checkpoint dir or a .gguf file",
+        help="large model: 'smollm2' (bundled GGUF, default), a checkpoint dir or a .gguf file "
+        "('tiny': tiny random models, for tests and benchmarks)",
     )
     m.add_argument(
         "--small",
@@ -167,6 +169,36 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
         help="comma-separated origins allowed by CORS (e.g. https://app.example); default: "
         "none (browsers may not read responses from other origins)",
     )
+    gw = ap.add_argument_group("behind a gateway (SGLang Model Gateway, the `gateway` extra)")
+    gw.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish the small model's KV events as an SGLang worker does: SGLang's JSON, e.g. "
+        '\'{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "bind": true}\' (with '
+        "--replicas, replica k's ports are offset by k, as SGLang offsets DP ranks)",
+    )
+    gw.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="start N servers (ports --replica-base-port + k) and SGLang Model Gateway (smg) on "
+        "--host/--port in front of them (default 0: one server, no gateway)",
+    )
+    gw.add_argument(
+        "--replica-base-port", type=int, default=None, help="first replica's port (--port + 1)"
+    )
+    gw.add_argument(
+        "--gateway-policy",
+        default="cache_aware",
+        help="smg --policy: cache_aware (default), round_robin, random, power_of_two, ...",
+    )
+    gw.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for `smg launch` (repeat; e.g. --gateway-arg=--log-level=debug)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--access-log", action="store_true", help="uvicorn's access log as well")
 
@@ -234,7 +266,17 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         allowed_origins=origins,
         allowed_hosts=hosts,
         tokenizer_threads=a.tokenizer_threads,
+        kv_events=kv_events_config(a),
+        max_running=a.max_running,
     )
+
+
+def kv_events_config(a: argparse.Namespace) -> KVEventsConfig | None:
+    if a.kv_events_config is None:
+        return None
+    from .kv_events import KVEventsConfig
+
+    return KVEventsConfig.from_json(a.kv_events_config)
 
 
 def check_limits(a: argparse.Namespace) -> None:
@@ -286,12 +328,17 @@ def build_app(a: argparse.Namespace) -> Starlette:
     return create_app(engine, models.tokenizer, config)
 
 
-def serve(a: argparse.Namespace) -> None:
+def serve(a: argparse.Namespace, argv: Sequence[str] = ()) -> None:
     from .runner import DrainingServer, make_config
 
     logging.basicConfig(
         level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if a.replicas:
+        from .replicas import serve_fleet
+
+        serve_fleet(a, argv)
+        return
     warn_if_exposed(a.host, api_key(a))
     app = build_app(a)
     config = make_config(
@@ -311,6 +358,7 @@ def serve(a: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
     if a.command is None:
         ap.print_help()
@@ -323,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         require_or_exit("torch", extra="routing", prog="tokencache")
         try:
-            serve(a)
+            serve(a, argv)
         except (ValueError, FileNotFoundError) as e:
             print(f"tokencache serve: error: {e}", file=sys.stderr)
             return 2

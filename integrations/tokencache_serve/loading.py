@@ -6,6 +6,8 @@ the large model), or a .gguf file. Without a small model, the small one is the l
 first --small-layers layers (shared weights, same tokenizer); "exit:PATH" is the large model's
 first layers with the exit head of an early-exit checkpoint (tokencache_models.early_exit, the
 small model that tokencache_routing.quality trains its neural router on).
+"tiny" is a pair of tiny random-weight models with a word-level tokenizer (tiny.py): nothing is
+loaded, for tests and benchmarks of the serving layers (several replicas on one small machine).
 Router specs: "entropy:T" (escalate at entropy >= T nats), "prob:P" (top-1 probability < P),
 "neural:PATH" (a NeuralRouter saved by tokencache_routing.train_router).
 """
@@ -29,6 +31,7 @@ from tokencache_models import (
 from tokencache_routing import EntropyRouter, NeuralRouter, Router, Top1ProbRouter
 
 SMOLLM2 = "smollm2"
+TINY = "tiny"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,6 +88,12 @@ def load_models(
 ) -> LoadedModels:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # serving never downloads
     dt = resolve_dtype(dtype, device)
+    if large == TINY:
+        from .tiny import tiny_pair, tiny_tokenizer
+
+        tiny_small, tiny_large = tiny_pair()
+        desc = "tiny random models (small 1 layer, large 2; word-level tokenizer)"
+        return LoadedModels(tiny_small, tiny_large, tiny_tokenizer(), desc)
     large_model, tok = _load_one(large, device, dt, attention_backend, tokenizer is None)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)

@@ -103,6 +103,19 @@ class ServerMetrics:
         self.disconnects = Counter(
             f"{PREFIX}_client_disconnects", "requests aborted because the client left", registry=r
         )
+        self.prompt_tokens_looked_up = Counter(
+            f"{PREFIX}_prompt_tokens_looked_up",
+            "prompt tokens matched against the prefix caches at arrival (all but the last)",
+            registry=r,
+        )
+        self.prompt_tokens_cached = Counter(
+            f"{PREFIX}_prompt_tokens_cached",
+            "prompt tokens a model's prefix cache held at arrival (prefix hits)",
+            ["model"],
+            registry=r,
+        )
+        for model in _MODELS:  # both series exist from the start (0 before any hit)
+            self.prompt_tokens_cached.labels(model)
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "request arrival to first token",
