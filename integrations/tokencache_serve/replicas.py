@@ -238,9 +238,15 @@ def _terminate(p: subprocess.Popen[bytes], grace_s: float) -> None:
 
 def serve_fleet(a: argparse.Namespace, argv: Sequence[str]) -> None:
     """`tokencache serve --replicas N`: runs until Ctrl-C / SIGTERM or the gateway exits."""
-    from tokencache_extras import require
+    from tokencache_extras import install_hint
 
-    require("smg", extra="gateway")
+    try:
+        import smg  # noqa: F401
+    except ImportError:  # the gateway extra (not in tokencache_extras.EXTRAS: another owner's)
+        raise ValueError(
+            f"--replicas runs SGLang Model Gateway (smg), which does not import here; it comes "
+            f'with the "gateway" extra: {install_hint("gateway")}'
+        ) from None
     from .kv_events import KVEventsConfig
 
     n = a.replicas
