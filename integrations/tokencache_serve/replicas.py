@@ -238,15 +238,16 @@ def _terminate(p: subprocess.Popen[bytes], grace_s: float) -> None:
 
 def serve_fleet(a: argparse.Namespace, argv: Sequence[str]) -> None:
     """`tokencache serve --replicas N`: runs until Ctrl-C / SIGTERM or the gateway exits."""
+    import importlib.util
+
     from tokencache_extras import install_hint
 
-    try:
-        import smg  # noqa: F401
-    except ImportError:  # the gateway extra (not in tokencache_extras.EXTRAS: another owner's)
+    if importlib.util.find_spec("smg") is None:  # the gateway extra (tokencache_extras has
+        # no "gateway" entry yet: another owner's file)
         raise ValueError(
-            f"--replicas runs SGLang Model Gateway (smg), which does not import here; it comes "
+            f"--replicas runs SGLang Model Gateway (smg), which is not installed; it comes "
             f'with the "gateway" extra: {install_hint("gateway")}'
-        ) from None
+        )
     from .kv_events import KVEventsConfig
 
     n = a.replicas
