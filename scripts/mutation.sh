@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Mutation testing (not in CI: far too slow for it). Runs on a clean export of HEAD in a
+# scratch folder, never in the work tree (mutmut writes a mutants/ copy, cargo-mutants builds
+# in its own copy), so it can run beside other work; results and a summary land in $OUT.
+#
+#   bash scripts/mutation.sh python [MODULE...] [-- PYTEST_ARGS...]
+#       mutmut on integrations/tokencache_routing/MODULE.py (default: sampling scheduler
+#       batch), against the routing tests named in TESTS_<module> below (PYTEST_ARGS are
+#       added to pytest's). MUTANTS='glob ...' narrows to mutant names, e.g.
+#       MUTANTS='tokencache_routing.sampling.x__draw*' (mutmut's own naming).
+#   bash scripts/mutation.sh rust [CARGO_MUTANTS_ARGS...]
+#       cargo mutants on rust/tokencache-core (paths from the repository root, e.g.
+#       --file rust/tokencache-core/src/cell.rs --re 'NodeCell::(pin|unpin)').
+#
+# Environment: OUT (default /tmp/tokencache-mutation), JOBS (parallel mutants, default 1),
+# TIMEOUT_S (wall limit of the whole run, default 3600; partial results are kept).
+# Tools: mutmut and its dependencies pinned in requirements/optional/mutation.txt (installed
+# into .venv on first use), cargo-mutants (`cargo install cargo-mutants --locked --version
+# 27.1.0`). Record what a run killed in docs/MUTATION.md with the date, commit and scope.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${OUT:-/tmp/tokencache-mutation}"
+JOBS="${JOBS:-1}"
+TIMEOUT_S="${TIMEOUT_S:-3600}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PY="$ROOT/.venv/bin/python"
+[ -x "$PY" ] || PY=python3
+
+# The tests that exercise each module quickly (the engine-level ones are slower: kept to the
+# files that pin the module's promises).
+TESTS_sampling="tests/routing/test_sampling.py"
+TESTS_scheduler="tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py"
+TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission.py tests/routing/test_slot_rows.py tests/routing/test_exactness.py"
+
+export_head() {  # $1: folder; the committed tree only (nothing uncommitted is tested)
+  rm -rf "$1" && mkdir -p "$1"
+  git -C "$ROOT" archive HEAD | tar -x -C "$1"
+}
+
+run_python() {
+  local modules=() extra=()
+  while [ $# -gt 0 ]; do
+    if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
+    modules+=("$1"); shift
+  done
+  [ ${#modules[@]} -gt 0 ] || modules=(sampling scheduler batch)
+  if ! "$PY" -c "import mutmut" 2>/dev/null; then
+    "$PY" -m pip install -q -r "$ROOT/requirements/optional/mutation.txt"
+  fi
+  local src="$OUT/src" work="$OUT/python"
+  export_head "$src"
+  for m in "${modules[@]}"; do
+    # mutmut names mutants by their path from where it runs, and the tests import the
+    # packages by name: lay the packages out at the top of a folder of their own.
+    local d="$work/$m"
+    rm -rf "$d" && mkdir -p "$d/tests"
+    cp -r "$src/integrations/tokencache_routing" "$src/integrations/tokencache_models" "$d/"
+    cp -r "$src/tests/routing" "$d/tests/"
+    local tests_var="TESTS_$m" tests
+    tests="${!tests_var:-tests/routing}"
+    {
+      echo "[mutmut]"
+      echo "paths_to_mutate = tokencache_routing/"
+      echo "only_mutate = tokencache_routing/$m.py"
+      printf 'also_copy =\n    tokencache_models/\n    tests/\n'
+      echo "tests_dir ="
+      for t in $tests; do echo "    $t"; done
+      echo "pytest_add_cli_args = -p no:cacheprovider -q -x ${extra[*]:-}"
+      # Forking mutmut's own process (which ran torch) deadlocked children on torch's thread
+      # pool: every mutant "timed out". A fresh forkserver that imports nothing costs ~14 s
+      # per mutant (torch imported each time) but is sound.
+      echo "process_isolation = forkserver"
+      echo "forkserver_warmup = none"
+    } > "$d/setup.cfg"
+    echo "== mutmut: tokencache_routing/$m.py against $tests"
+    # shellcheck disable=SC2086  # MUTANTS: globs for mutmut, unquoted on purpose
+    (cd "$d" && timeout "$TIMEOUT_S" "$PY" -m mutmut run --max-children "$JOBS" ${MUTANTS:-} \
+        > run.log 2>&1) || true
+    (cd "$d" && "$PY" -m mutmut results --all true > "$OUT/mutmut-$m.txt" 2>&1) || true
+    "$PY" - "$OUT/mutmut-$m.txt" "$m" <<'EOF'
+import collections, sys
+lines = [line for line in open(sys.argv[1]) if "__mutmut_" in line]
+counts = collections.Counter(line.rsplit(": ", 1)[-1].strip() for line in lines)
+done = sum(v for k, v in counts.items() if k != "not checked")
+killed = counts.get("killed", 0)
+print(f"{sys.argv[2]}: {dict(counts)}; killed {killed} of {done} checked"
+      + (f" ({100 * killed / done:.0f}%)" if done else ""))
+EOF
+  done
+}
+
+run_rust() {
+  command -v cargo-mutants >/dev/null || { echo "cargo install cargo-mutants --locked --version 27.1.0"; exit 1; }
+  local src="$OUT/rust"
+  export_head "$src"
+  echo "== cargo mutants: rust/tokencache-core $*"
+  (cd "$src" && timeout "$TIMEOUT_S" cargo mutants -p tokencache-core -j "$JOBS" \
+      --output "$OUT" --no-shuffle "$@" > "$OUT/cargo-mutants.log" 2>&1) || true
+  tail -n 3 "$OUT/cargo-mutants.log"
+  for f in caught missed timeout unviable; do
+    [ -f "$OUT/mutants.out/$f.txt" ] && echo "$f: $(wc -l < "$OUT/mutants.out/$f.txt")"
+  done
+}
+
+mkdir -p "$OUT"
+case "${1:-}" in
+  python) shift; run_python "$@" ;;
+  rust) shift; run_rust "$@" ;;
+  *) sed -n 2,21p "$0"; exit 2 ;;
+esac
