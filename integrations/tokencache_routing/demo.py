@@ -200,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"Small model: the first {a.layers} of {large.config.num_hidden_layers} layers + an exit "
         f"head ({lab.head_path.name}). Router: {name} at threshold {thr:.4g}\n"
-        f"(set on the {len(lab.train_prompts)} train prompts for {100 * a.share:.0f}% escalated). "
+        f"(set on the router's {len(lab.train_prompts)} train prompts for {100 * a.share:.0f}% "
+        "escalated). "
         "Text in [brackets] was written by the large model."
     )
     alone = results["small alone"].tokens

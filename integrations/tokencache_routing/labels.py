@@ -6,8 +6,10 @@
    the paged runner; the residual stream after layer k is captured at each step (one pass: the
    small model is the first k layers, so along the large model's answer its layer-k state is
    the large model's own).
-2. The exit head is fitted on the train prompts' rows (tokencache_models.early_exit: least
-   squares, then --distill-epochs of KL distillation through the lm_head) and saved.
+2. The exit head is fitted on the train prompts (tokencache_models.early_exit: least squares,
+   then --distill-epochs of KL distillation through the lm_head) and saved; the router's
+   train rows are the same prompts' (--head-split: the head on half of them, the router's
+   rows from the other half). No test prompt is seen by either.
 3. At every row the small model's features follow (exit head, shared lm_head): its final
    hidden state, its greedy token's embedding, its top-k logits, entropy and top-1
    probability; label 1 where its greedy token differs from the large model's own next token.
@@ -168,9 +170,10 @@ class Labelled:
     head_path: Path
     train: SmallRows
     test: SmallRows
-    train_prompts: list[int]
+    train_prompts: list[int]  # the prompts of `train` (the router's)
     test_prompts: list[int]
     trace: GreedyTrace
+    head_prompts: list[int]  # the exit head's, apart from both
 
 
 def label(
@@ -182,6 +185,7 @@ def label(
     ridge: float = 1e-3,
     distill_epochs: int = 4,
     out_dir: Path | None = None,
+    head_split: bool = False,
 ) -> Labelled:
     import torch
     from tqdm import tqdm
@@ -201,39 +205,48 @@ def label(
         large, tokenizer, questions, max_new, out_dir / trace_path(len(questions), max_new).name
     )
     train_p, test_p = split_prompts(len(questions))
-    tr, te = trace.rows(train_p), trace.rows(test_p)
+    te = trace.rows(test_p)
     x = trace.layer_hidden[num_layers]
-    name = f"exit-head-k{num_layers}-p{len(questions)}-m{max_new}-d{distill_epochs}.pt"
-    head_path = out_dir / name
-    if head_path.exists():
-        _, head, _ = load_exit_head(head_path)
-    else:
-        # Fitted on the train prompts only: the test prompts stay unseen by head and router.
-        y_tr = trace.final_hidden[tr]
-        head = fit_exit_head(large.model.norm, x[tr], y_tr, ridge)
+    stem = f"k{num_layers}-p{len(questions)}-m{max_new}-d{distill_epochs}"
+
+    def fitted(path: Path, rows: torch.Tensor, what: str) -> ExitHead:
+        """The head fitted on `rows` (least squares, then the distillation), cached at path."""
+        if path.exists():
+            return load_exit_head(path)[1].to(dtype=large.dtype)
+        y = trace.final_hidden[rows]
+        head = fit_exit_head(large.model.norm, x[rows], y, ridge)
         if distill_epochs:
-            total = distill_epochs * len(tr)
-            with tqdm(total=total, desc="exit head distillation", unit="row") as bar:
+            total = distill_epochs * len(rows)
+            with tqdm(total=total, desc=f"exit head distillation ({what})", unit="row") as bar:
                 distill_exit_head(
-                    head, x[tr], y_tr, large.lm_head.weight, distill_epochs, progress=bar.update
+                    head, x[rows], y, large.lm_head.weight, distill_epochs, progress=bar.update
                 )
         with torch.no_grad():
-            y = trace.final_hidden[te]
-            err = float((head(x[te]) - y).pow(2).mean() / y.pow(2).mean())
-        meta = {
-            "prompts": len(train_p),
-            "rows": len(tr),
-            "ridge": ridge,
-            "distill_epochs": distill_epochs,
-            "test_rel_mse": err,
-        }
-        save_exit_head(head_path, num_layers, head, meta)
-    head = head.to(dtype=large.dtype)
-    train = small_rows(large, head, x[tr], trace.tokens[tr])
+            y_te = trace.final_hidden[te]
+            err = float((head(x[te]) - y_te).pow(2).mean() / y_te.pow(2).mean())
+        meta = {"rows": len(rows), "ridge": ridge, "distill_epochs": distill_epochs}
+        save_exit_head(path, num_layers, head, {**meta, "test_rel_mse": err})
+        return head.to(dtype=large.dtype)
+
+    if head_split:
+        # Head and router from different prompts (even and odd train prompts): a head scores
+        # the rows it was fitted on better than new text (at 10 layers 50% of those tokens
+        # differ, 65% of new ones), so the router then learns on text like what it will meet.
+        head_p, router_p = train_p[0::2], train_p[1::2]
+        head_path = out_dir / f"exit-head-{stem}-half.pt"
+    else:
+        # Both from every train prompt: more text for each (on the held-out prompts this did
+        # better, BENCHMARKS.md "Routing quality").
+        head_p, router_p = train_p, train_p
+        head_path = out_dir / f"exit-head-{stem}.pt"
+    # One head everywhere: the router reads the head's output.
+    head = fitted(head_path, trace.rows(head_p), "head prompts")
+    own = trace.rows(router_p)
+    train = small_rows(large, head, x[own], trace.tokens[own])
     test = small_rows(large, head, x[te], trace.tokens[te])
     for name, rows in (("train", train), ("test", test)):
-        torch.save(rows.features(), out_dir / f"features-{name}-k{num_layers}.pt")
-    return Labelled(num_layers, head_path, train, test, train_p, test_p, trace)
+        torch.save(rows.features(), out_dir / f"features-{name}-{stem}.pt")
+    return Labelled(num_layers, head_path, train, test, router_p, test_p, trace, head_p)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -242,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=None, help="first N prompts (default all)")
     ap.add_argument("--max-new", type=int, default=32, help="tokens per large answer")
     ap.add_argument("--distill-epochs", type=int, default=4, help="exit head KL epochs")
+    ap.add_argument("--head-split", action="store_true", help="head and router on apart prompts")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     a = ap.parse_args(argv)
     require_or_exit("torch", "transformers", "gguf", "tqdm", extra="routing", prog="labels")
@@ -253,12 +267,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     g = load_smollm2_gguf(dtype=torch.float32, attention_backend="torch")
     lab = label(
-        g.model, g.tokenizer, a.layers, a.prompts, a.max_new, distill_epochs=a.distill_epochs
+        g.model,
+        g.tokenizer,
+        a.layers,
+        a.prompts,
+        a.max_new,
+        distill_epochs=a.distill_epochs,
+        head_split=a.head_split,
     )
     for name, rows in (("train", lab.train), ("test", lab.test)):
         print(
             f"{name}: {len(rows.label)} rows, {float(rows.label.mean()):.1%} where the small "
-            f"model's token differs -> {work_dir() / f'features-{name}-k{a.layers}.pt'}"
+            f"model's token differs -> {work_dir()}"
         )
 
 

@@ -174,24 +174,33 @@ def point_at(
 
 
 def load_or_train_router(
-    lab: Labelled, embedding: torch.Tensor, retrain: bool = False, epochs: int = 20
+    lab: Labelled,
+    embedding: torch.Tensor,
+    retrain: bool = False,
+    epochs: int = 20,
+    seed: int = 0,
 ) -> tuple[NeuralRouter, Path]:
     """The neural router of these labels, from the cache dir or trained on the train rows."""
     from .routers import NeuralRouter
 
-    path = lab.head_path.with_name("router-" + lab.head_path.name.removeprefix("exit-head-"))
+    tag = f"-s{seed}" if seed else ""
+    path = lab.head_path.with_name(
+        "router-" + lab.head_path.name.removeprefix("exit-head-").replace(".pt", f"{tag}.pt")
+    )
     if path.exists() and not retrain:
         return NeuralRouter.load(path, embedding=embedding), path
     print(f"training the neural router on {len(lab.train.label)} rows")
-    router = train_neural(lab, path, epochs)
+    router = train_neural(lab, path, epochs, seed)
     router.embedding = embedding.detach().clone()
     return router, path
 
 
 def test_offsets(lab: Labelled) -> list[int]:
     """Row offsets of the test answers within lab.test."""
-    o = lab.trace.offsets[len(lab.train_prompts) :]
-    out: list[int] = (o - o[0]).tolist()
+    o = lab.trace.offsets.tolist()
+    out = [0]
+    for j in lab.test_prompts:
+        out.append(out[-1] + o[j + 1] - o[j])
     return out
 
 
@@ -353,6 +362,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--distill-epochs", type=int, default=4, help="exit head KL epochs")
     ap.add_argument("--retrain", action="store_true", help="train the router even if cached")
     ap.add_argument("--engine-check", action="store_true", help="real engine at the 15%% points")
+    ap.add_argument(
+        "--head-split", action="store_true", help="exit head and router on apart train prompts"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="router training seed")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--out", default="bench-out/quality")
     a = ap.parse_args(argv)
@@ -371,10 +384,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     g = load_smollm2_gguf(dtype=torch.float32, attention_backend="torch")
     large, tok = g.model, g.tokenizer
-    lab = label(large, tok, a.layers, a.prompts, a.max_new, distill_epochs=a.distill_epochs)
+    lab = label(
+        large,
+        tok,
+        a.layers,
+        a.prompts,
+        a.max_new,
+        distill_epochs=a.distill_epochs,
+        head_split=a.head_split,
+    )
     n_q = len(lab.trace.offsets) - 1
     emb = large.model.embed_tokens.weight
-    neural, router_path = load_or_train_router(lab, emb, a.retrain, a.epochs)
+    neural, router_path = load_or_train_router(lab, emb, a.retrain, a.epochs, a.seed)
     offsets = test_offsets(lab)
     differs = lab.test.label.numpy() > 0.5
     points: list[Point] = []
@@ -397,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     report: dict[str, Any] = {
         "layers": a.layers,
-        "train_prompts": len(lab.train_prompts),
+        "head_prompts": len(lab.head_prompts),
+        "router_prompts": len(lab.train_prompts),
         "test_prompts": len(lab.test_prompts),
         "train_rows": len(lab.train.label),
         "test_rows": len(differs),

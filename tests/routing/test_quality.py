@@ -155,7 +155,7 @@ def test_serve_loads_an_exit_head_small_model_and_a_neural_router(
         eos_token_id = None
 
     monkeypatch.setattr(loading, "_load_one", lambda *a, **k: (large, Tok()))
-    models = loading.load_models("tiny", small=f"exit:{tmp_path / 'head.pt'}")
+    models = loading.load_models("stub-large", small=f"exit:{tmp_path / 'head.pt'}")
     assert "exit head" in models.description
     assert (
         len(models.small.model.layers) == 1
@@ -175,4 +175,62 @@ def test_serve_loads_an_exit_head_small_model_and_a_neural_router(
     got = RoutedEngine(models.small, large, loaded, num_slots=2048).generate(prompts[:6], 8)
     assert got.tokens == want.tokens and got.models == want.models
     with pytest.raises(FileNotFoundError):
-        loading.load_models("tiny", small=f"exit:{tmp_path / 'missing.pt'}")
+        loading.load_models("stub-large", small=f"exit:{tmp_path / 'missing.pt'}")
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for labels.label: characters to ids, a trivial chat template."""
+
+    eos_token_id = None
+
+    def apply_chat_template(
+        self, messages: Any, tokenize: bool, add_generation_prompt: bool
+    ) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 96 for c in text[-12:]]  # short prompts: the tail of each question
+
+
+@pytest.mark.parametrize("head_split", [False, True])
+def test_label_keeps_test_prompts_from_head_and_router(head_split: bool, tmp_path: Path) -> None:
+    from tokencache_routing.labels import label
+
+    torch.set_num_threads(1)
+    large = random_model(tiny_config(15), seed=6, std=0.3, attention_backend="torch")  # traces 14
+    lab = label(
+        large,
+        CharTokenizer(),
+        8,
+        n_prompts=8,
+        max_new=4,
+        distill_epochs=1,
+        out_dir=tmp_path,
+        head_split=head_split,
+    )
+    assert lab.test_prompts == [6, 7]
+    assert not set(lab.test_prompts) & (set(lab.train_prompts) | set(lab.head_prompts))
+    if head_split:
+        assert not set(lab.train_prompts) & set(lab.head_prompts)
+        assert sorted(lab.train_prompts + lab.head_prompts) == list(range(6))
+    else:
+        assert lab.train_prompts == lab.head_prompts == list(range(6))
+    assert len(lab.train.label) == len(lab.trace.rows(lab.train_prompts))
+    assert len(lab.test.label) == len(lab.trace.rows(lab.test_prompts))
+    assert lab.head_path.exists() and len(list(tmp_path.glob("features-*.pt"))) == 2
+    # The labels are the small model's differences from the large model's own tokens.
+    test_rows = lab.trace.rows(lab.test_prompts)
+    want = (lab.test.small_tokens != lab.trace.tokens[test_rows]).float()
+    assert torch.equal(lab.test.label, want)
+    # A second call reuses the cache: the same head, the same rows.
+    again = label(
+        large,
+        CharTokenizer(),
+        8,
+        n_prompts=8,
+        max_new=4,
+        distill_epochs=1,
+        out_dir=tmp_path,
+        head_split=head_split,
+    )
+    assert torch.equal(again.train.hidden, lab.train.hidden)
