@@ -7,7 +7,7 @@ so a HF state dict loads with load_state_dict.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from .context import DEFAULT_DECODE_BUCKETS, ForwardContext, HostBatch, decode_b
 from .graphs import DecodeGraphRunner, StaticStep
 from .kv_pool import KVPool
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from .parallel import TPGroup
 from .prefix_plan import PrefixShape
 
 
@@ -38,6 +39,21 @@ class PreparedStep:
     context: ForwardContext | None = None
     static: StaticStep | None = None
     runner: DecodeGraphRunner | None = None
+    # Tensor parallelism: what the engine's rank sends its workers when it runs this step.
+    tp_payload: Any = None
+
+
+class TPHooks(Protocol):
+    """A tensor-parallel runtime on a model shard (tp_worker.TPDriver on the engine's rank):
+    pools it makes and forwards it runs are mirrored on the worker ranks."""
+
+    def pool_made(self, pool: KVPool) -> None: ...
+
+    def prepared(self, hb: HostBatch, pool: KVPool, backend: str) -> Any: ...
+
+    def executing(self, payload: Any) -> None: ...
+
+    def fail(self, exc: BaseException) -> BaseException: ...
 
 
 class Attention(nn.Module):
@@ -151,6 +167,12 @@ class CausalLM(nn.Module):
         # Triton fusions of the elementwise chains (fused.py); None: on when on CUDA.
         self.fused: bool | None = None
         self.decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
+        # Tensor parallelism (parallel.build_shard): this rank's group and the shapes it
+        # computes (its heads and KV heads: its pool's and kernels' shapes); `tp` the runtime
+        # that mirrors pools and forwards to worker ranks (on the engine's rank only).
+        self.tp_group: TPGroup | None = None
+        self.shard_config: ModelConfig = config
+        self.tp: TPHooks | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -166,10 +188,19 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def make_kv_pool(self, num_slots: int, dtype: torch.dtype | None = None) -> KVPool:
-        return KVPool.for_config(self.config, num_slots, self.device, dtype or self.dtype)
+        """A pool over this rank's KV heads (all of them without tensor parallelism)."""
+        pool = KVPool.for_config(self.shard_config, num_slots, self.device, dtype or self.dtype)
+        if self.tp is not None:
+            self.tp.pool_made(pool)
+        return pool
 
     def kv_pool_from_budget(self, budget_bytes: int, dtype: torch.dtype | None = None) -> KVPool:
-        return KVPool.from_budget(self.config, budget_bytes, self.device, dtype or self.dtype)
+        """As many slots as fit budget_bytes on this rank (every rank's shard the same)."""
+        dtype = dtype or self.dtype
+        num_slots = budget_bytes // KVPool.bytes_per_slot(self.shard_config, dtype)
+        if num_slots <= 0:
+            raise ValueError(f"budget of {budget_bytes} bytes holds no KV slot")
+        return self.make_kv_pool(int(num_slots), dtype)
 
     def attention(self, name: str | None = None) -> TorchPagedAttention:
         """The attention backend for `name` (default: the model's), built once per model."""
@@ -198,7 +229,11 @@ class CausalLM(nn.Module):
     ) -> ForwardContext:
         """Host work of one forward (lengths, padding, the backend's host plan), one copy to the
         device. Nothing after this reads device memory back on the host."""
-        shape = PrefixShape.of(self.config, pool.dtype.itemsize) if backend.shares_prefix else None
+        shape = (
+            PrefixShape.of(self.shard_config, pool.dtype.itemsize)
+            if backend.shares_prefix
+            else None
+        )
         return ForwardContext.build(
             batch, self.device, pool.scratch_slot, backend.plan, pad_rows_to, shape
         )
@@ -218,6 +253,8 @@ class CausalLM(nn.Module):
         (build_context) may be passed instead of being built here.
         """
         if context is not None:
+            if self.tp is not None:  # the worker ranks would never see this forward
+                raise RuntimeError("a tensor-parallel model runs forwards through prepare()")
             return self.forward_context(context, pool, self.attention(attention_backend))
         return self.execute(self.prepare(batch, pool, attention_backend))
 
@@ -228,6 +265,12 @@ class CausalLM(nn.Module):
         what execute() then runs is device work only."""
         backend = self.attention(attention_backend)
         hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
+        step = self._prepare(hb, pool, backend)
+        if self.tp is not None:  # after our own host work: its prefix groups travel too
+            step.tp_payload = self.tp.prepared(hb, pool, backend.name)
+        return step
+
+    def _prepare(self, hb: HostBatch, pool: KVPool, backend: TorchPagedAttention) -> PreparedStep:
         pad_to = None
         if hb.is_decode and self.pads_decode():
             pad_to = decode_bucket(hb.num_requests, self.decode_buckets)
@@ -237,7 +280,18 @@ class CausalLM(nn.Module):
         return PreparedStep(pool, backend, context=self.build_context(hb, pool, backend, pad_to))
 
     def execute(self, step: PreparedStep) -> ForwardOutput:
-        """A prepared forward's device work (graph replay or the eager body)."""
+        """A prepared forward's device work (graph replay or the eager body); under tensor
+        parallelism its metadata goes to the worker ranks first, which run it alongside."""
+        if step.tp_payload is None:
+            return self._execute(step)
+        assert self.tp is not None
+        self.tp.executing(step.tp_payload)
+        try:
+            return self._execute(step)
+        except Exception as exc:  # a collective failed: a worker rank is gone
+            raise self.tp.fail(exc) from exc
+
+    def _execute(self, step: PreparedStep) -> ForwardOutput:
         if step.runner is not None:
             assert step.static is not None
             return step.runner.execute(step.static)

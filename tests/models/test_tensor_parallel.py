@@ -1,0 +1,464 @@
+"""Tensor parallelism (parallel.py, tp_worker.py): TP=2 against TP=1, on CPU over gloo.
+
+Each multi-process case runs in a driver subprocess (this file as a script) that launches one
+worker rank on 127.0.0.1 and compares its TP=2 model with the same weights unsharded in the same
+process: fp32 logits within 1e-5 at every forward and identical greedy tokens, over a ragged
+list-mode run (prefill, shared prefixes, extends, decode) and an engine-like slot-table run
+(admissions over another request's slots, table growth, row reuse, a prepared step dropped
+before it ran). Every subprocess is bounded by a timeout; the worker is a daemon of its driver.
+The kill cases check that a worker dying (idle, or inside a forward's all-reduce) makes the
+driver raise TPWorkerLost within a few seconds and that nothing is left running.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "integrations"))
+
+from tokencache_models import (  # noqa: E402
+    CausalLM,
+    ForwardBatch,
+    GreedyRunner,
+    HostBatch,
+    KVPool,
+    ModelConfig,
+    PrefixGroup,
+    SlotTable,
+    random_model,
+)
+from tokencache_models.parallel import (  # noqa: E402
+    TPGroup,
+    check_divisible,
+    shard_config,
+    shard_model,
+    vocab_shard,
+)
+from tokencache_models.tp_worker import (  # noqa: E402
+    HEADER,
+    MirrorTable,
+    ShardOf,
+    TPSlotTable,
+    TPWorkerLost,
+    decode_forward,
+    encode_forward,
+    launch,
+)
+
+TOL = 1e-5
+CONFIGS: dict[str, ModelConfig] = {
+    # q/k norms, tied head, head_dim != hidden / heads
+    "qwen3": ModelConfig(
+        model_type="qwen3",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    ),
+    # q/k/v biases, untied, an odd vocabulary (the second shard holds a padding row)
+    "qwen2": ModelConfig(
+        model_type="qwen2",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    ),
+    # GQA 4 (each rank one KV head), llama3 RoPE scaling
+    "llama": ModelConfig(
+        model_type="llama",
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=4,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+}
+
+
+def full_model(family: str) -> CausalLM:
+    return random_model(CONFIGS[family], seed=7, std=0.3, attention_backend="torch")
+
+
+# -- the scenarios (run on the TP model and on the unsharded one) ---------------------------
+
+
+def list_scenario(model: CausalLM, pool: KVPool) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Ragged ForwardBatch forwards: a prefill, then a prefix-sharing extend beside a decode
+    and a fresh prefill, a multi-token extend (a catch-up), then greedy decode."""
+    g = GreedyRunner(model, pool)
+    logits = []
+    a = g.add_request([3, 14, 15, 92, 65, 35, 8])
+    logits.append(g.step([a]).logits)
+    b = g.add_request([3, 14, 15, 92, 65, 1, 2], share_from=a, shared_len=5)
+    c = g.add_request([9, 9, 8])
+    logits.append(g.step([a, b, c]).logits)
+    g.extend(a, [4, 5, 6])
+    logits.append(g.step([a, b]).logits)
+    for _ in range(6):
+        logits.append(g.step([a, b, c]).logits)
+    return logits, [g.requests[r].tokens for r in (a, b, c)]
+
+
+def table_scenario(
+    model: CausalLM, pool: KVPool, table: SlotTable, drop_one: bool
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """The engine's way: slot-table rows written at admission (here over another request's
+    prefix slots), appended per forward with one scatter; the table starts 2 x 4 so it grows
+    in rows and width; a finished request's row is reused; drop_one prepares a forward and drops
+    it before it runs (its writes must still reach the workers)."""
+    logits: list[torch.Tensor] = []
+    reqs: dict[str, dict[str, Any]] = {}
+
+    def admit(name: str, prompt: list[int], share: str | None = None, k: int = 0) -> None:
+        row = table.acquire()
+        matched = reqs[share]["slots"][:k] if share else np.zeros(0, np.int64)
+        table.write(row, 0, matched)
+        reqs[name] = {
+            "row": row,
+            "tokens": list(prompt),
+            "slots": matched.copy(),
+            "todo": prompt[k:],
+        }
+
+    def forward(names: list[str]) -> None:
+        rs = [reqs[n] for n in names]
+        q_lens = np.array([len(r["todo"]) for r in rs], np.int64)
+        new = pool.allocator.alloc_array(int(q_lens.sum()))
+        q_off = np.concatenate(([0], np.cumsum(q_lens)))
+        rows, positions, toks = [], [], []
+        for i, r in enumerate(rs):
+            n0 = len(r["slots"])
+            r["slots"] = np.concatenate((r["slots"], new[q_off[i] : q_off[i + 1]]))
+            rows += [r["row"]] * int(q_lens[i])
+            positions += list(range(n0, n0 + int(q_lens[i])))
+            toks += r["todo"]
+        table.scatter(np.array(rows, np.int64), np.array(positions, np.int64), new)
+        kv_lens = np.array([len(r["slots"]) for r in rs], np.int64)
+        hb = HostBatch.from_table(
+            table,
+            np.array([r["row"] for r in rs], np.int64),
+            np.array(toks, np.int64),
+            np.array(positions, np.int64),
+            new,
+            q_off.astype(np.int64),
+            kv_lens,
+        )
+        out = model.execute(model.prepare(hb, pool))
+        logits.append(out.logits)
+        for r, nxt in zip(rs, out.logits.argmax(-1).tolist(), strict=True):
+            r["tokens"].append(nxt)
+            r["todo"] = [nxt]
+
+    admit("a", [5, 6, 7, 8, 9, 10])
+    forward(["a"])
+    admit("b", [5, 6, 7, 8, 9, 11, 12], share="a", k=5)
+    forward(["a", "b"])
+    admit("c", [40, 41, 42, 43, 44, 45, 46, 47, 48])  # a third row: the rows double
+    for _ in range(3):
+        forward(["a", "b", "c"])
+    reqs["b"]["todo"] = reqs["b"]["todo"] + [3, 4, 5]  # a catch-up of several tokens
+    reqs["b"]["tokens"] += [3, 4, 5]
+    forward(["a", "b"])
+    table.release(reqs.pop("c")["row"])
+    admit("d", [60, 61, 62], share="a", k=3)  # reuses c's row, over a's first slots
+    if drop_one:  # prepared with d's admission write, never run: the engine dropped it
+        hb = HostBatch.from_table(
+            table,
+            np.array([reqs["a"]["row"]]),
+            np.array([1]),
+            np.array([0]),
+            np.array([pool.scratch_slot]),
+            np.array([0, 1]),
+            np.array([1]),
+        )
+        model.prepare(hb, pool)
+    for _ in range(4):
+        forward(["a", "b", "d"])
+    return logits, [reqs[n]["tokens"] for n in ("a", "b", "d")]
+
+
+def _compare(
+    tp: tuple[list[torch.Tensor], list[list[int]]], ref: tuple[list[torch.Tensor], list[list[int]]]
+) -> dict[str, Any]:
+    diffs = [float((x - y).abs().max()) for x, y in zip(tp[0], ref[0], strict=True)]
+    return {"max_diff": max(diffs), "forwards": len(diffs), "tokens": tp[1], "ref_tokens": ref[1]}
+
+
+class PadDecode:
+    """configure: padded decode batches on every rank (the CUDA default; CPU here)."""
+
+    def __call__(self, model: CausalLM) -> None:
+        model.decode_padding = True
+
+
+class CrashInForward:
+    """configure: a worker rank kills itself inside its n-th forward, after its first
+    all-reduce began on the engine's side (the engine then waits in a collective)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, model: CausalLM) -> None:
+        if model.tp_group is None or model.tp_group.rank == 0:
+            return
+        calls = [0]
+        inner = model.execute
+
+        def execute(step: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == self.n:
+                time.sleep(0.5)  # the engine is inside the forward's collectives by now
+                os.kill(os.getpid(), signal.SIGKILL)
+            return inner(step)
+
+        model.execute = execute  # type: ignore[method-assign]
+
+
+def driver_equal(family: str, pad: bool) -> dict[str, Any]:
+    model = launch(
+        ShardOf(functools.partial(full_model, family)),
+        2,
+        timeout_s=30,
+        configure=PadDecode() if pad else None,
+    )
+    ref = full_model(family)
+    ref.decode_padding = pad
+    try:
+        out = {"list": _compare(list_scenario(model, model.make_kv_pool(96)),
+                                list_scenario(ref, ref.make_kv_pool(96)))}  # fmt: skip
+        pool, rpool = model.make_kv_pool(128), ref.make_kv_pool(128)
+        table = TPSlotTable(2, 4, pool.scratch_slot, pool.device, max_width=pool.num_slots)
+        rtable = SlotTable(2, 4, rpool.scratch_slot, rpool.device, max_width=rpool.num_slots)
+        out["table"] = _compare(
+            table_scenario(model, pool, table, drop_one=True),
+            table_scenario(ref, rpool, rtable, drop_one=False),
+        )
+        out["generations"] = table.generation
+    finally:
+        assert model.tp is not None
+        model.tp.shutdown()  # type: ignore[attr-defined]
+    return out
+
+
+def driver_kill(mode: str) -> dict[str, Any]:
+    configure = CrashInForward(2) if mode == "in-forward" else None
+    model = launch(ShardOf(functools.partial(full_model, "qwen3")), 2, timeout_s=30,
+                   configure=configure)  # fmt: skip
+    driver = model.tp
+    procs = driver.procs  # type: ignore[attr-defined]
+    pool = model.make_kv_pool(64)
+    batch = ForwardBatch.from_requests([[1, 2, 3]], [[]], [[0, 1, 2]])
+    model(batch, pool)  # the group works
+    if mode.startswith("idle"):
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(10)
+    if mode == "idle-unwatched":  # as under torchrun: no process handle, gloo alone tells
+        driver.procs = []  # type: ignore[union-attr]
+    t0 = time.monotonic()
+    err = ""
+    try:
+        for _ in range(3):  # the failure must come on the first forward after the death
+            model(ForwardBatch.from_requests([[4]], [[0, 1, 2]], [[3]]), pool)
+    except TPWorkerLost as exc:
+        err = str(exc)
+    raised_s = time.monotonic() - t0
+    again = ""
+    try:
+        model(ForwardBatch.from_requests([[4]], [[0, 1, 2]], [[3]]), pool)
+    except TPWorkerLost as exc:  # and every later one, at once
+        again = str(exc)
+    t1 = time.monotonic()
+    driver.shutdown()  # type: ignore[union-attr]
+    return {
+        "error": err,
+        "again": again,
+        "raised_s": raised_s,
+        "shutdown_s": time.monotonic() - t1,
+        "alive": [p.is_alive() for p in procs],
+    }
+
+
+def run_driver(*args: str, timeout: float = 240) -> dict[str, Any]:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, __file__, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+# -- multi-process tests ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_tp2_equals_tp1(family: str) -> None:
+    res = run_driver("equal", family, "pad" if family == "llama" else "nopad")
+    for part in ("list", "table"):
+        r = res[part]
+        assert r["max_diff"] <= TOL, (part, r)
+        assert r["tokens"] == r["ref_tokens"], (part, r)
+    assert res["table"]["forwards"] == 10
+    assert res["generations"] >= 3  # the table grew (rows, width): full copies were sent
+
+
+@pytest.mark.parametrize("mode", ["idle", "idle-unwatched", "in-forward"])
+def test_dead_worker_ends_the_driver(mode: str) -> None:
+    t0 = time.monotonic()
+    res = run_driver("kill", mode, timeout=120)
+    assert "tensor-parallel" in res["error"], res
+    if mode != "idle-unwatched":  # a launched worker is named with its exit code
+        assert "rank 1" in res["error"] and "-9" in res["error"], res
+    assert res["raised_s"] < 5.0, res
+    assert res["again"], res
+    assert res["shutdown_s"] < 5.0 and not any(res["alive"]), res
+    assert time.monotonic() - t0 < 120
+
+
+def test_dead_engine_ends_its_workers() -> None:
+    """The engine's process killed outright (no shutdown): its worker exits by itself."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, __file__, "orphan"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    pid = json.loads(proc.stdout.strip().splitlines()[-1])["worker_pid"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("the worker outlived its engine by 10 s")
+
+
+def driver_orphan() -> None:
+    model = launch(ShardOf(functools.partial(full_model, "qwen3")), 2, timeout_s=30)
+    pool = model.make_kv_pool(16)
+    model(ForwardBatch.from_requests([[1, 2]], [[]], [[0, 1]]), pool)
+    print(json.dumps({"worker_pid": model.tp.procs[0].pid}))  # type: ignore[union-attr]
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- in-process tests ------------------------------------------------------------------------
+
+
+def test_shapes_must_split() -> None:
+    check_divisible(CONFIGS["llama"], 2)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_divisible(CONFIGS["llama"], 4)
+    local = shard_config(CONFIGS["llama"], 2)
+    assert (local.num_attention_heads, local.num_key_value_heads) == (4, 1)
+    assert local.intermediate_size == 32 and local.vocab_size == 100
+    spans = [vocab_shard(97, r, 2) for r in range(2)]
+    assert spans == [(0, 49, 49), (49, 97, 49)]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_world_one_shard_is_the_model(family: str) -> None:
+    """The sharded modules at world 1 compute exactly what the model does."""
+    model = full_model(family)
+    shard = shard_model(model, TPGroup(0, 1))
+    b = ForwardBatch.from_requests([[1, 2, 3, 4], [5, 6]], [[], []], [[0, 1, 2, 3], [4, 5]])
+    x = model(b, model.make_kv_pool(16)).logits
+    y = shard(b, shard.make_kv_pool(16)).logits
+    assert torch.equal(x, y)
+
+
+def _hb_equal(a: HostBatch, b: HostBatch) -> None:
+    for f in ("token_ids", "positions", "out_slots", "q_offsets", "kv_starts", "kv_lens"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert a.num_real == b.num_real
+
+
+def test_metadata_roundtrip_keeps_the_mirror_in_step() -> None:
+    """What a worker rebuilds equals the engine's HostBatch; its mirror equals the engine's
+    table after every forward: deltas only, the whole table when it grew or a prepared forward
+    was dropped; prefix groups travel as the engine found them."""
+    table = TPSlotTable(2, 4, 99, "cpu", max_width=64)
+    pool = KVPool(1, 99, 1, 4)
+    mirrors: dict[int, MirrorTable] = {}
+    rng = np.random.default_rng(0)
+    lens = {r: 0 for r in (table.acquire(), table.acquire())}
+    sizes = []
+    for step in range(12):
+        if step == 5:
+            lens[table.acquire()] = 0  # grows the rows
+        rows = np.array(sorted(lens), np.int64)
+        q = rng.integers(1, 4, len(rows))
+        slots = rng.integers(0, 99, int(q.sum()))
+        pos = np.concatenate([lens[int(r)] + np.arange(k) for r, k in zip(rows, q, strict=True)])
+        table.scatter(np.repeat(rows, q), pos, slots)
+        for r, k in zip(rows.tolist(), q.tolist(), strict=True):
+            lens[r] += k
+        kv = np.array([lens[int(r)] for r in rows], np.int64)
+        hb = HostBatch.from_table(
+            table, rows, slots, pos, slots, np.concatenate(([0], np.cumsum(q))), kv
+        )
+        if step == 3:
+            hb.memo["groups"] = [PrefixGroup((0, 1), 2)]
+        payload = encode_forward(hb, 0, "torch", step)
+        if step == 7:  # dropped: the next forward sends the whole table
+            continue
+        payload.table.tp_unsent = False  # type: ignore[union-attr]
+        sizes.append(len(payload.body))
+        got = decode_forward(payload.header, payload.body, mirrors, pool)
+        _hb_equal(hb, got)
+        assert got.rows is not None and np.array_equal(got.rows, rows)
+        assert np.array_equal(mirrors[table.tp_id].host, table.host)
+        assert got.memo.get("groups") == ([PrefixGroup((0, 1), 2)] if step == 3 else None)
+    assert len(payload.header) == HEADER
+    # Deltas are O(batch + new tokens); the first, the grown and the post-drop ones are whole.
+    whole = [s for s in sizes if s > 8 * 3 + 64]
+    assert 2 <= len(whole) <= 5, sizes
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    kind = sys.argv[1]
+    if kind == "orphan":
+        driver_orphan()
+    if kind == "equal":
+        result = driver_equal(sys.argv[2], sys.argv[3] == "pad")
+    else:
+        result = driver_kill(sys.argv[2])
+    print(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
