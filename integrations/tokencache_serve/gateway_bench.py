@@ -1,17 +1,18 @@
 """Cache-aware vs round-robin routing over the same multi-prompt trace: `tokencache serve`
 replicas (tiny random models) behind SGLang Model Gateway, one fleet per policy.
 
-    python -m tokencache_serve.gateway_bench [--quick] [--replicas 2] [--prompts 16]
+    python -m tokencache_serve.gateway_bench [--quick] [--models tiny] [--replicas 2] [--prompts 16]
         [--system-len 192] [--requests 128] [--concurrency 8] [--max-new 16] [--num-slots 2048]
 
-The trace: `prompts` system prompts of `system-len` words (one token each), `requests` requests
-that each take one of them (seeded shuffle, every prompt equally often) plus a short question of
-their own, sent as streaming /v1/completions by `concurrency` closed-loop clients to the
-gateway. Each replica's KV pool (`num-slots`) holds about half of the prompts: routing decides
-whether the fleet's cache holds each prompt once (partitioned) or every replica churns through
-all of them. Reported per policy: the prefix hit rate (prompt tokens the replica's small model had
-cached at arrival / prompt tokens looked up, from each replica's /metrics), requests per replica,
-TTFT p50 / p99 and end-to-end p50 at the client.
+The trace: `prompts` system prompts of `system-len` words (one token each with the tiny
+models), `requests` requests that each take one of them (seeded shuffle, every prompt equally
+often) plus a short question of their own, sent as streaming /v1/completions by `concurrency`
+closed-loop clients to the gateway. Each replica's KV pool (`num-slots`) holds about half of
+the prompts: routing decides whether the fleet's cache holds each prompt once (partitioned) or
+every replica churns through all of them. Reported per policy: the prefix hit rate (prompt
+tokens the replica's small model had cached at arrival / prompt tokens looked up, from each
+replica's /metrics), requests per replica, requests/s, TTFT p50 / p99 and end-to-end p50 at
+the client.
 """
 
 from __future__ import annotations
@@ -141,8 +142,9 @@ def run_policy(policy: str, prompts: list[str], a: argparse.Namespace, log_dir: 
     gw, prom, *ports = [s.getsockname()[1] for s in socks]
     for s in socks:
         s.close()
+    model = ["--large", "tiny", "--router", "entropy:3.4"] if a.models == "tiny" else []
     args = [
-        "--large", "tiny", "--router", "entropy:3.4", "--default-temperature", "0",
+        *model, "--default-temperature", "0",
         "--served-model-name", MODEL, "--num-slots", str(a.num_slots),
         "--torch-threads", "1", "--tokenizer-threads", "1", "--log-level", "warning",
     ]  # fmt: skip
@@ -178,6 +180,13 @@ def run_policy(policy: str, prompts: list[str], a: argparse.Namespace, log_dir: 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tokencache_serve.gateway_bench")
     ap.add_argument("--policies", default="cache_aware,round_robin")
+    ap.add_argument(
+        "--models",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="tiny random models, or the server's defaults (SmolLM2-135M and its first 24 "
+        "layers; a prompt word is a few tokens)",
+    )
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--system-len", type=int, default=192)
@@ -203,8 +212,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
             d.mkdir()
             results.append(run_policy(policy, prompts, a, d))
     print(
-        f"{a.replicas} replicas (tiny models, {a.num_slots} KV slots each), {a.prompts} system "
-        f"prompts x {a.system_len} tokens, {a.requests} requests, {a.concurrency} clients, "
+        f"{a.replicas} replicas ({a.models} models, {a.num_slots} KV slots each), {a.prompts} "
+        f"system prompts x {a.system_len} words, {a.requests} requests, {a.concurrency} clients, "
         f"{a.max_new} new tokens\n"
     )
     print(
