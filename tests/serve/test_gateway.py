@@ -210,3 +210,14 @@ def test_openai_client_through_the_gateway(fleet: CliFleet) -> None:
     assert "".join(parts) == chat_r.choices[0].message.content
     extra = chat_r.choices[0].model_extra
     assert extra is not None and len(extra["tokencache"]["token_ids"]) == 6  # passed through
+
+
+def test_replicas_get_every_option_but_the_fleets() -> None:
+    from tokencache_serve.replicas import replica_command, strip_fleet_options
+
+    argv = ["serve", "--large", "tiny", "--port", "9", "--replicas=2", "--gateway-arg=--x=1"]
+    argv += ["--host", "0.0.0.0", "--kv-events-config", "{}", "--max-running", "4"]
+    kept = strip_fleet_options(argv)
+    assert kept == ["--large", "tiny", "--max-running", "4"]
+    # replicas stay on loopback whatever --host the gateway binds
+    assert replica_command(kept, 8001)[-4:] == ["--host", "127.0.0.1", "--port", "8001"]
