@@ -10,7 +10,9 @@ where it was fitted (LayerSkip / early-exit heads, without retraining the layers
 
 builds the head for the bundled SmolLM2-135M-Instruct: greedy generations of the full model
 from the prompts (one a line, each wrapped in the chat template), the hidden states after layer
-k captured on the way, the fit, a checkpoint (default under the cache dir, see cache_dir()).
+k captured on the way, the fit and --distill-epochs of distillation, a checkpoint (default under
+the cache dir, see cache_dir()). tokencache_routing.labels builds the same head on the train
+prompts of its own prompt set (what the demo and the quality curve use).
 """
 
 from __future__ import annotations
@@ -319,8 +321,10 @@ def build_smollm2_exit_head(
     max_new_tokens: int = 32,
     ridge: float = 1e-3,
     batch_size: int = 32,
+    distill_epochs: int = 4,
 ) -> Path:
-    """Generations of the bundled SmolLM2-135M from `questions`, the fit, the checkpoint."""
+    """Generations of the bundled SmolLM2-135M from `questions`, the fit (least squares, then
+    distill_epochs of distill_exit_head), the checkpoint."""
     from tqdm import tqdm
 
     from .loader import find_smollm2_gguf, load_smollm2_gguf
@@ -339,6 +343,12 @@ def build_smollm2_exit_head(
         )
     x, y = trace.layer_hidden[num_layers], trace.final_hidden
     head = fit_exit_head(g.model.model.norm, x, y, ridge)
+    if distill_epochs:
+        total = distill_epochs * len(y)
+        with tqdm(total=total, desc="exit head distillation", unit="row") as bar:
+            distill_exit_head(
+                head, x, y, g.model.lm_head.weight, distill_epochs, progress=bar.update
+            )
     base = ExitHead.from_norm(g.model.model.norm)
     with torch.no_grad():
         err = float((head(x) - y).pow(2).mean() / y.pow(2).mean())
@@ -349,6 +359,7 @@ def build_smollm2_exit_head(
         "rows": len(y),
         "max_new_tokens": max_new_tokens,
         "ridge": ridge,
+        "distill_epochs": distill_epochs,
         "relative_mse": err,
         "relative_mse_truncation": err0,
     }
@@ -367,13 +378,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="checkpoint (default: the cache dir)")
     ap.add_argument("--max-new", type=int, default=32, help="generated tokens per prompt")
     ap.add_argument("--ridge", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--distill-epochs", type=int, default=4, help="KL epochs after the fit")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
     questions = [q for q in Path(a.prompts).read_text().splitlines() if q.strip()]
     out = a.out or default_path(a.layers)
-    build_smollm2_exit_head(questions, a.layers, out, a.max_new, a.ridge)
+    build_smollm2_exit_head(
+        questions, a.layers, out, a.max_new, a.ridge, distill_epochs=a.distill_epochs
+    )
 
 
 if __name__ == "__main__":
