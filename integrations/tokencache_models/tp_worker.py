@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,7 +42,7 @@ from .parallel import TPGroup, load_hf_checkpoint_shard, shard_model
 from .prefix_groups import PrefixGroup
 from .slot_table import SlotTable
 
-OP_FORWARD, OP_POOL, OP_STOP = 1, 2, 3
+OP_FORWARD, OP_POOL, OP_STOP, OP_DROP_POOL, OP_DROP_TABLE = 1, 2, 3, 4, 5
 HEADER = 16
 BACKENDS = ("torch", "triton")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -261,7 +262,13 @@ class TPDriver:
     meta: Any  # the gloo group of the metadata broadcasts
     procs: list[BaseProcess] = field(default_factory=list)  # workers it spawned (launch)
     timeout_s: float = DEFAULT_TIMEOUT_S
-    pools: dict[int, int] = field(default_factory=dict)  # id(pool) -> pool id on every rank
+    # pool -> its id on every rank (weak: a pool dropped here is dropped on the workers)
+    pools: weakref.WeakKeyDictionary[KVPool, int] = field(default_factory=weakref.WeakKeyDictionary)
+    next_pool: int = 0
+    tables: set[int] = field(default_factory=set)  # TPSlotTable ids the workers mirror
+    # (op, id) of pools and tables garbage-collected here, dropped on the workers with the
+    # next message (finalizers only append: no collective runs inside one)
+    dropped: list[tuple[int, int]] = field(default_factory=list)
     seq: int = 0
     lost: str | None = None  # why the group is unusable
 
@@ -292,6 +299,11 @@ class TPDriver:
     def _send(self, header: np.ndarray, body: np.ndarray | None) -> None:
         self._check()
         try:
+            while self.dropped:
+                op, what = self.dropped.pop()
+                drop = np.zeros(HEADER, np.int64)
+                drop[:2] = (op, what)
+                dist.broadcast(torch.from_numpy(drop), src=0, group=self.meta)
             dist.broadcast(torch.from_numpy(header), src=0, group=self.meta)
             if body is not None and len(body):
                 dist.broadcast(torch.from_numpy(body), src=0, group=self.meta)
@@ -299,17 +311,23 @@ class TPDriver:
             raise self.fail(exc) from exc
 
     def pool_made(self, pool: KVPool) -> None:
-        pid = len(self.pools)
-        self.pools[id(pool)] = pid
+        pid = self.next_pool
+        self.next_pool += 1
+        self.pools[pool] = pid
+        weakref.finalize(pool, self.dropped.append, (OP_DROP_POOL, pid))
         header = np.zeros(HEADER, np.int64)
         header[:6] = (OP_POOL, pid, 0, 0, pool.num_slots, DTYPES.index(pool.dtype))
         self._send(header, None)
 
     def prepared(self, hb: HostBatch, pool: KVPool, backend: str) -> Payload:
         self._check()
-        pid = self.pools.get(id(pool))
+        pid = self.pools.get(pool)
         if pid is None:
             raise ValueError("the pool was not made by this tensor-parallel model (make_kv_pool)")
+        table = hb.table
+        if isinstance(table, TPSlotTable) and table.tp_id not in self.tables:
+            self.tables.add(table.tp_id)
+            weakref.finalize(table, self.dropped.append, (OP_DROP_TABLE, table.tp_id))
         self.seq += 1
         return encode_forward(hb, pid, backend, self.seq)
 
@@ -366,6 +384,12 @@ def serve_worker(model: CausalLM, meta: Any) -> None:
             return
         if op == OP_POOL:
             pools[int(h[1])] = model.make_kv_pool(int(h[4]), DTYPES[int(h[5])])
+            continue
+        if op == OP_DROP_POOL:
+            pools.pop(int(h[1]), None)
+            continue
+        if op == OP_DROP_TABLE:
+            tables.pop(int(h[1]), None)
             continue
         if op != OP_FORWARD:
             raise RuntimeError(f"unknown tensor-parallel op {op}")
