@@ -244,8 +244,11 @@ def label(
     own = trace.rows(router_p)
     train = small_rows(large, head, x[own], trace.tokens[own])
     test = small_rows(large, head, x[te], trace.tokens[te])
+    tag = head_path.stem.removeprefix("exit-head-")
     for name, rows in (("train", train), ("test", test)):
-        torch.save(rows.features(), out_dir / f"features-{name}-{stem}.pt")
+        path = out_dir / f"features-{name}-{tag}.pt"
+        if not path.exists():  # for train_router's command line; the same rows every time
+            torch.save(rows.features(), path)
     return Labelled(num_layers, head_path, train, test, router_p, test_p, trace, head_p)
 
 
