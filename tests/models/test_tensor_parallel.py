@@ -5,13 +5,16 @@ worker rank on 127.0.0.1 and compares its TP=2 model with the same weights unsha
 process: fp32 logits within 1e-5 at every forward and identical greedy tokens, over a ragged
 list-mode run (prefill, shared prefixes, extends, decode) and an engine-like slot-table run
 (admissions over another request's slots, table growth, row reuse, a prepared step dropped
-before it ran). Every subprocess is bounded by a timeout; the worker is a daemon of its driver.
+before it ran), then a routed generation through tokencache_routing's RoutedEngine with the TP
+model as its large one (random escalations, batched catch-ups, a shared prefix; the llama case
+in the threaded driver) token for token and model for model. Every subprocess is bounded by a timeout; the worker is a daemon of its driver.
 The kill cases check that a worker dying (idle, or inside a forward's all-reduce) makes the
 driver raise TPWorkerLost within a few seconds and that nothing is left running.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -214,6 +217,34 @@ def _compare(
     return {"max_diff": max(diffs), "forwards": len(diffs), "tokens": tp[1], "ref_tokens": ref[1]}
 
 
+def engine_scenario(small: CausalLM, large: CausalLM, mode: str) -> dict[str, Any]:
+    """A routed generation (tokencache_routing.RoutedEngine) with this large model: random
+    escalations (BernoulliRouter), batched catch-ups, prompts on one shared prefix; mode
+    "threaded" runs the large model's forwards in a worker thread of their own."""
+    from tokencache_models.tp_worker import make_slot_table
+    from tokencache_routing import BernoulliRouter, RoutedEngine, SchedulerConfig
+    from tokencache_routing.kv import TABLE_ROWS, TABLE_WIDTH
+
+    sched = SchedulerConfig(max_running=3, min_large_batch=2, max_wait_steps=2)
+    router = BernoulliRouter(0.3, seed=5)
+    eng = RoutedEngine(small, large, router, num_slots=256, scheduler=sched, mode=mode)
+    # Until the engine builds its tables with make_slot_table: swapped while still empty.
+    side = eng.sides[1]
+    side.table = make_slot_table(
+        large, TABLE_ROWS, min(TABLE_WIDTH, side.pool.num_slots), side.pool, side.pool.num_slots
+    )
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, small.config.vocab_size, (9,), generator=g).tolist()
+    prompts = [
+        base + torch.randint(0, small.config.vocab_size, (n,), generator=g).tolist()
+        for n in (2, 5, 3, 7, 1)
+    ]
+    res = eng.generate(prompts, 10)
+    out = {"tokens": res.tokens, "models": res.models, "idle": eng.idle_invariant()}
+    eng.shutdown()
+    return out
+
+
 class PadDecode:
     """configure: padded decode batches on every rank (the CUDA default; CPU here)."""
 
@@ -265,6 +296,16 @@ def driver_equal(family: str, pad: bool) -> dict[str, Any]:
             table_scenario(ref, rpool, rtable, drop_one=False),
         )
         out["generations"] = table.generation
+        small = random_model(
+            dataclasses.replace(CONFIGS[family], num_hidden_layers=1),
+            seed=3,
+            std=0.3,
+            attention_backend="torch",
+        )
+        small.decode_padding = pad
+        mode = "threaded" if family == "llama" else "events"
+        out["engine"] = engine_scenario(small, model, mode)
+        out["engine_ref"] = engine_scenario(small, ref, mode)
     finally:
         assert model.tp is not None
         model.tp.shutdown()  # type: ignore[attr-defined]
@@ -336,6 +377,11 @@ def test_tp2_equals_tp1(family: str) -> None:
         assert r["tokens"] == r["ref_tokens"], (part, r)
     assert res["table"]["forwards"] == 10
     assert res["generations"] >= 3  # the table grew (rows, width): full copies were sent
+    eng, ref = res["engine"], res["engine_ref"]
+    assert eng["tokens"] == ref["tokens"] and eng["models"] == ref["models"]
+    assert eng["idle"] and ref["idle"]
+    escalated = sum(map(sum, eng["models"]))
+    assert 0 < escalated < sum(map(len, eng["models"]))  # both models wrote tokens
 
 
 @pytest.mark.parametrize("mode", ["idle", "idle-unwatched", "in-forward"])
