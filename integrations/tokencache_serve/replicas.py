@@ -263,9 +263,13 @@ def serve_fleet(a: argparse.Namespace, argv: Sequence[str]) -> None:
     for k, p in enumerate(ports):
         extra = [] if kv is None else ["--kv-events-config", kv.with_port_offset(k).to_json()]
         cmds.append([*replica_command(serve_args, p), *extra])
+    from .cli import api_key
+
+    key = api_key(a)  # the replicas require it on /v1 (smg's probes of /v1/models included)
     gw = gateway_command(
         a.host, a.port, [f"http://127.0.0.1:{p}" for p in ports], a.gateway_policy,
-        prometheus_port=base + n, extra=a.gateway_arg,
+        prometheus_port=base + n,
+        extra=[*(["--api-key", key] if key else []), *a.gateway_arg],
     )  # fmt: skip
     fleet = Fleet(cmds, ports, gw, f"http://{_url_host(a.host)}:{a.port}")
 
@@ -274,18 +278,18 @@ def serve_fleet(a: argparse.Namespace, argv: Sequence[str]) -> None:
 
     signal.signal(signal.SIGTERM, stop_signal)
     log.info("starting %d replicas on ports %s, then the gateway on port %d", n, ports, a.port)
-    with fleet:
-        fleet.start(timeout_s=3600)  # real models may load for minutes
-        log.info("gateway (policy %s) serving on %s", a.gateway_policy, fleet.gateway_url)
-        try:
+    try:
+        with fleet:  # leaving it stops the gateway, then the replicas
+            fleet.start(timeout_s=3600)  # real models may load for minutes
+            log.info("gateway (policy %s) serving on %s", a.gateway_policy, fleet.gateway_url)
             while fleet.gateway is not None and fleet.gateway.poll() is None:
                 for k, p in enumerate(fleet.replicas):
                     if p.returncode is None and p.poll() is not None:
                         log.warning("replica %d exited with %d", k, p.returncode)
                 time.sleep(0.5)
             log.error("the gateway exited; stopping the replicas")
-        except KeyboardInterrupt:
-            log.info("stopping the gateway and the replicas")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, also while starting
+        log.info("stopped the gateway and the replicas")
 
 
 def _url_host(host: str) -> str:
