@@ -246,8 +246,9 @@ def decode_forward(
         table=table,
         rows=rows,
     )
-    if header[11] >= 0:
-        hb.memo["groups"] = _decode_groups(take(int(header[11])))
+    # The engine's groups, or none when it looked for none (its backend reads no shared
+    # prefix): a worker never searches on its own, so both compute the same attention.
+    hb.memo["groups"] = _decode_groups(take(int(header[11]))) if header[11] >= 0 else []
     return hb
 
 

@@ -7,7 +7,8 @@ list-mode run (prefill, shared prefixes, extends, decode) and an engine-like slo
 (admissions over another request's slots, table growth, row reuse, a prepared step dropped
 before it ran), then a routed generation through tokencache_routing's RoutedEngine with the TP
 model as its large one (random escalations, batched catch-ups, a shared prefix; the llama case
-in the threaded driver) token for token and model for model. Every subprocess is bounded by a timeout; the worker is a daemon of its driver.
+in the threaded driver) token for token and model for model.
+Every subprocess is bounded by a timeout; the worker is a daemon of its driver.
 The kill cases check that a worker dying (idle, or inside a forward's all-reduce) makes the
 driver raise TPWorkerLost within a few seconds and that nothing is left running.
 """
@@ -491,11 +492,67 @@ def test_metadata_roundtrip_keeps_the_mirror_in_step() -> None:
         _hb_equal(hb, got)
         assert got.rows is not None and np.array_equal(got.rows, rows)
         assert np.array_equal(mirrors[table.tp_id].host, table.host)
-        assert got.memo.get("groups") == ([PrefixGroup((0, 1), 2)] if step == 3 else None)
+        assert got.memo.get("groups") == ([PrefixGroup((0, 1), 2)] if step == 3 else [])
     assert len(payload.header) == HEADER
     # Deltas are O(batch + new tokens); the first, the grown and the post-drop ones are whole.
     whole = [s for s in sizes if s > 8 * 3 + 64]
     assert 2 <= len(whole) <= 5, sizes
+
+
+def test_mirror_queues_device_writes_as_the_engine_does() -> None:
+    """Off the CPU (the meta device stands in for CUDA) both tables queue device writes: the
+    mirror's queue, applied by the worker's forward, equals the engine's own."""
+    table = TPSlotTable(2, 8, 99, "meta", max_width=64)
+    pool = KVPool(1, 99, 1, 4, device="meta")
+    mirrors: dict[int, MirrorTable] = {}
+    r = table.acquire()
+    table.write(r, 0, np.array([4, 5, 6]))
+    for step in range(3):
+        table.scatter(np.array([r]), np.array([3 + step]), np.array([10 + step]))
+        hb = HostBatch.from_table(
+            table, np.array([r]), np.array([1]), np.array([3 + step]), np.array([10 + step]),
+            np.array([0, 1]), np.array([4 + step]),
+        )  # fmt: skip
+        payload = encode_forward(hb, 0, "torch", step)
+        payload.table.tp_unsent = False  # type: ignore[union-attr]
+        ours = table.take_writes()
+        decode_forward(payload.header, payload.body, mirrors, pool)
+        theirs = mirrors[table.tp_id].take_writes()
+        if step == 0:  # the first forward loads the whole table: nothing left to apply
+            assert theirs is None
+            continue
+        assert ours is not None and theirs is not None
+        assert all(np.array_equal(x, y) for x, y in zip(ours, theirs, strict=True))
+        assert np.array_equal(mirrors[table.tp_id].host, table.host)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_checkpoint_shard_reads_the_same_slices(family: str, tmp_path: Path) -> None:
+    """load_hf_checkpoint_shard (safetensors slices) builds each rank's shard as shard_model
+    does from the whole model (untied qwen2; tied qwen3, saved without lm_head)."""
+    from safetensors.torch import save_file
+
+    from tokencache_models.parallel import load_hf_checkpoint_shard
+
+    model = full_model(family)
+    cfg = model.config
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    hf = {f: getattr(cfg, f) for f in ("model_type", "vocab_size", "hidden_size",
+          "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+          "tie_word_embeddings", "max_position_embeddings")}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "dtype": "float32"}))
+    for rank in range(2):
+        tp = TPGroup(rank, 2)
+        a = dict(shard_model(model, tp).named_parameters())
+        b = dict(load_hf_checkpoint_shard(str(tmp_path), tp, attention_backend="torch")
+                 .named_parameters())  # fmt: skip
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
 
 
 if __name__ == "__main__":
