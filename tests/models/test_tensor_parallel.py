@@ -499,6 +499,47 @@ def test_metadata_roundtrip_keeps_the_mirror_in_step() -> None:
     assert 2 <= len(whole) <= 5, sizes
 
 
+class CountingGroup(TPGroup):
+    """A world-2 group that counts its collectives and returns shapes only (meta tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 2)
+        self.reduces = self.gathers = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.reduces += 1
+        return x
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        self.gathers += 1
+        return torch.cat([x] * self.world)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "mixed", "decode-padded"])
+def test_shard_forward_never_reads_the_device(kind: str) -> None:
+    """A rank's forward on the meta device (any host sync or data-dependent shape raises):
+    exactly one all-reduce per attention block and per MLP block, one after the embedding, one
+    all-gather of the logits; the logits come back whole (vocabulary order, padding dropped)."""
+    from tokencache_models import empty_model
+
+    cfg = CONFIGS["qwen2"]  # biases, and a vocabulary with a padding row
+    group = CountingGroup()
+    shard = shard_model(empty_model(cfg, device="meta", attention_backend="torch"), group)
+    pool = shard.make_kv_pool(64)
+    assert pool.k.shape[2] == cfg.num_key_value_heads // 2  # this rank's KV heads only
+    if kind == "prefill":
+        batch = ForwardBatch.from_requests([[1, 2, 3], [4, 5]], [[], []], [[0, 1, 2], [3, 4]])
+    elif kind == "mixed":
+        batch = ForwardBatch.from_requests([[1, 2], [3]], [[0, 1], [2, 3]], [[5, 6], [7]])
+    else:
+        batch = ForwardBatch.from_requests([[1], [3]], [[0, 1], [2, 3]], [[5], [7]])
+    shard.decode_padding = kind == "decode-padded"
+    out = shard(batch, pool)
+    assert out.logits.device.type == "meta"
+    assert out.logits.shape == (2, cfg.vocab_size)
+    assert (group.reduces, group.gathers) == (2 * cfg.num_hidden_layers + 1, 1)
+
+
 def test_mirror_queues_device_writes_as_the_engine_does() -> None:
     """Off the CPU (the meta device stands in for CUDA) both tables queue device writes: the
     mirror's queue, applied by the worker's forward, equals the engine's own."""
