@@ -22,6 +22,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -272,6 +273,28 @@ class TPDriver:
     dropped: list[tuple[int, int]] = field(default_factory=list)
     seq: int = 0
     lost: str | None = None  # why the group is unusable
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def watch(self, interval_s: float = 0.2) -> None:
+        """Starts a daemon thread that notices a launched worker's death between forwards and,
+        on NCCL, aborts the process group: a forward waiting on the device in a collective
+        then fails instead of spinning until the NCCL timeout (gloo sees the closed peer
+        itself). The abort path has not run on a GPU yet."""
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                dead = [r for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
+                if dead and not self._stop.is_set():
+                    code = self.procs[dead[0] - 1].exitcode
+                    self.lost = f"tensor-parallel worker rank {dead[0]} exited (code {code})"
+                    if dist.is_initialized() and dist.get_backend() == "nccl":
+                        from torch.distributed.distributed_c10d import _abort_process_group
+
+                        _abort_process_group()
+                    return
+
+        if self.procs:
+            threading.Thread(target=loop, name="tp-watchdog", daemon=True).start()
 
     def _check(self) -> None:
         if self.lost is not None:
@@ -340,6 +363,7 @@ class TPDriver:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stops the workers (joined, killed past timeout_s) and leaves the process group."""
+        self._stop.set()  # their exits from here on are expected
         if self.lost is None:
             header = np.zeros(HEADER, np.int64)
             header[0] = OP_STOP
@@ -364,7 +388,9 @@ def attach_driver(
 ) -> CausalLM:
     """Makes rank 0's shard drive the workers (model.tp)."""
     assert model.tp_group is not None and model.tp_group.rank == 0
-    model.tp = TPDriver(model.tp_group, meta, list(procs), timeout_s)
+    driver = TPDriver(model.tp_group, meta, list(procs), timeout_s)
+    driver.watch()
+    model.tp = driver
     return model
 
 
