@@ -108,14 +108,21 @@ def gateway_command(
     return [*cmd, *extra]
 
 
-def get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def _request(url: str, api_key: str | None) -> urllib.request.Request:
+    req = urllib.request.Request(url)
+    if api_key is not None:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    return req
+
+
+def get_json(url: str, timeout: float = 5.0, api_key: str | None = None) -> Any:
+    with urllib.request.urlopen(_request(url, api_key), timeout=timeout) as r:
         return json.loads(r.read())
 
 
-def _alive(url: str) -> bool:
+def _alive(url: str, api_key: str | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(_request(url, api_key), timeout=2) as r:
             return bool(r.status == 200)
     except (OSError, urllib.error.URLError):
         return False
@@ -133,6 +140,7 @@ class Fleet:
         gateway_url: str | None,
         log_dir: Path | None = None,
         env: dict[str, str] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.replica_cmds = [list(c) for c in replica_cmds]
         self.replica_urls = [f"http://127.0.0.1:{p}" for p in replica_ports]
@@ -140,6 +148,7 @@ class Fleet:
         self.gateway_url = gateway_url
         self.log_dir = log_dir
         self.env = env
+        self.api_key = api_key  # smg given --api-key requires it on every route, /workers too
         self.replicas: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
         self._logs: list[IO[bytes]] = []
@@ -184,7 +193,7 @@ class Fleet:
         """The gateway's worker list (GET /workers), [] while it does not answer."""
         assert self.gateway_url is not None
         try:
-            body = get_json(self.gateway_url + "/workers")
+            body = get_json(self.gateway_url + "/workers", api_key=self.api_key)
         except (OSError, urllib.error.URLError, ValueError):
             return []
         workers = body.get("workers", []) if isinstance(body, dict) else body
@@ -194,7 +203,8 @@ class Fleet:
         """Every replica registered and healthy at the gateway, which serves /v1/models."""
         assert self.gateway_url is not None
         healthy = [w for w in self.gateway_workers() if w.get("is_healthy", True)]
-        return len(healthy) >= len(self.replica_urls) and _alive(self.gateway_url + "/v1/models")
+        models = _alive(self.gateway_url + "/v1/models", self.api_key)
+        return len(healthy) >= len(self.replica_urls) and models
 
     def kill_replica(self, k: int) -> None:
         """SIGKILL (a crash: no drain)."""
@@ -265,13 +275,15 @@ def serve_fleet(a: argparse.Namespace, argv: Sequence[str]) -> None:
         cmds.append([*replica_command(serve_args, p), *extra])
     from .cli import api_key
 
-    key = api_key(a)  # the replicas require it on /v1 (smg's probes of /v1/models included)
+    # The replicas require it on /v1 (smg's probes of /v1/models too); smg given --api-key
+    # sends it to the workers and requires it from its own clients.
+    key = api_key(a)
     gw = gateway_command(
         a.host, a.port, [f"http://127.0.0.1:{p}" for p in ports], a.gateway_policy,
         prometheus_port=base + n,
         extra=[*(["--api-key", key] if key else []), *a.gateway_arg],
     )  # fmt: skip
-    fleet = Fleet(cmds, ports, gw, f"http://{_url_host(a.host)}:{a.port}")
+    fleet = Fleet(cmds, ports, gw, f"http://{_url_host(a.host)}:{a.port}", api_key=key)
 
     def stop_signal(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt

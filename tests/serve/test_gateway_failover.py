@@ -90,3 +90,36 @@ def test_killing_a_replica_mid_load_loses_no_request(fleet: Fleet) -> None:
         r = client.completions.create(model=MODEL, prompt=f"t{i} t9", max_tokens=4)
         assert r.usage.completion_tokens == 4
     assert metric_sum(metrics_text(survivor), "tokencache_requests_total") == before + 4
+
+
+def test_api_key_through_the_gateway(tmp_path: Path) -> None:
+    """Replicas with --api-key: smg given the same key probes them with it and requires it of
+    its own clients (a wrong or missing key: 401 at the gateway)."""
+    import openai
+    from gateway_helpers import GATEWAY_ARGS, REPLICA_ARGS
+    from serve_helpers import post_json
+
+    require_smg()
+    key = "k-3f1e"
+    f = make_fleet(
+        1,
+        tmp_path,
+        replica_args=(*REPLICA_ARGS, "--api-key", key),
+        gateway_args=(*GATEWAY_ARGS, "--api-key", key),
+    )
+    f.api_key = key
+    try:
+        with f:
+            f.start(timeout_s=180)
+            assert f.gateway_url is not None
+            body = {"model": MODEL, "prompt": "t1", "max_tokens": 2}
+            assert post_json(f.gateway_url, "/v1/completions", body)[0] == 401  # no key
+            c = openai.OpenAI(base_url=f.gateway_url + "/v1", api_key="wrong", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                c.completions.create(model=MODEL, prompt="t1", max_tokens=2)
+            c = openai.OpenAI(base_url=f.gateway_url + "/v1", api_key=key, max_retries=0)
+            r = c.completions.create(model=MODEL, prompt="t1 t2", max_tokens=2)
+            assert r.choices[0].text
+    except BaseException:
+        dump_logs(tmp_path)
+        raise
