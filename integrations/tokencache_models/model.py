@@ -167,7 +167,7 @@ class CausalLM(nn.Module):
         # Triton fusions of the elementwise chains (fused.py); None: on when on CUDA.
         self.fused: bool | None = None
         self.decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
-        # Tensor parallelism (parallel.build_shard): this rank's group and the shapes it
+        # Tensor parallelism (sharding.build_shard): this rank's group and the shapes it
         # computes (its heads and KV heads: its pool's and kernels' shapes); `tp` the runtime
         # that mirrors pools and forwards to worker ranks (on the engine's rank only).
         self.tp_group: TPGroup | None = None

@@ -39,8 +39,9 @@ import torch.distributed as dist
 from .context import HostBatch
 from .kv_pool import KVPool
 from .model import CausalLM
-from .parallel import TPGroup, load_hf_checkpoint_shard, shard_model
+from .parallel import TPGroup
 from .prefix_groups import PrefixGroup
+from .sharding import load_hf_checkpoint_shard, shard_model
 from .slot_table import SlotTable
 
 OP_FORWARD, OP_POOL, OP_STOP, OP_DROP_POOL, OP_DROP_TABLE = 1, 2, 3, 4, 5

@@ -49,9 +49,9 @@ from tokencache_models.parallel import (  # noqa: E402
     TPGroup,
     check_divisible,
     shard_config,
-    shard_model,
     vocab_shard,
 )
+from tokencache_models.sharding import shard_model  # noqa: E402
 from tokencache_models.tp_worker import (  # noqa: E402
     HEADER,
     MirrorTable,
@@ -573,7 +573,7 @@ def test_checkpoint_shard_reads_the_same_slices(family: str, tmp_path: Path) -> 
     does from the whole model (untied qwen2; tied qwen3, saved without lm_head)."""
     from safetensors.torch import save_file
 
-    from tokencache_models.parallel import load_hf_checkpoint_shard
+    from tokencache_models.sharding import load_hf_checkpoint_shard
 
     model = full_model(family)
     cfg = model.config
