@@ -71,7 +71,8 @@ class DecodeGraphRunner:
         # pool, the graphs and their memory freeable together when the caller drops the pool.
         self._pool = weakref.ref(pool)
         self.model, self.backend = model, backend
-        self.prefix_shape = PrefixShape.of(model.config, pool.dtype.itemsize)
+        # This rank's shapes (a tensor-parallel shard holds its own heads).
+        self.prefix_shape = PrefixShape.of(model.shard_config, pool.dtype.itemsize)
         self.buckets = tuple(sorted(set(buckets)))
         self.max_rows = self.buckets[-1]
         device = model.device

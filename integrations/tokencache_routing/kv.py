@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 import tokencache
-from tokencache_models import CausalLM, KVPool, SlotTable
+from tokencache_models import CausalLM, KVPool
+from tokencache_models.tp_worker import make_slot_table
 
 # A side's slot table starts this size and doubles (rows, and columns up to the pool's size).
 TABLE_ROWS = 64
@@ -32,12 +33,9 @@ class ModelSide:
         self.model = model
         self.pool = pool
         self.tree = tokencache.RadixTree(page_size=page_size)
-        self.table = SlotTable(
-            TABLE_ROWS,
-            min(TABLE_WIDTH, pool.num_slots),
-            pool.scratch_slot,
-            pool.device,
-            max_width=pool.num_slots,
+        # A tensor-parallel model's table also records its writes for the worker ranks.
+        self.table = make_slot_table(
+            model, TABLE_ROWS, min(TABLE_WIDTH, pool.num_slots), pool, max_width=pool.num_slots
         )
         # The ids sampled and routed over (the engine's: both models' shared vocabulary).
         self.vocab_size = model.config.vocab_size

@@ -222,18 +222,13 @@ def engine_scenario(small: CausalLM, large: CausalLM, mode: str) -> dict[str, An
     """A routed generation (tokencache_routing.RoutedEngine) with this large model: random
     escalations (BernoulliRouter), batched catch-ups, prompts on one shared prefix; mode
     "threaded" runs the large model's forwards in a worker thread of their own."""
-    from tokencache_models.tp_worker import make_slot_table
     from tokencache_routing import BernoulliRouter, RoutedEngine, SchedulerConfig
-    from tokencache_routing.kv import TABLE_ROWS, TABLE_WIDTH
 
     sched = SchedulerConfig(max_running=3, min_large_batch=2, max_wait_steps=2)
     router = BernoulliRouter(0.3, seed=5)
     eng = RoutedEngine(small, large, router, num_slots=256, scheduler=sched, mode=mode)
-    # Until the engine builds its tables with make_slot_table: swapped while still empty.
-    side = eng.sides[1]
-    side.table = make_slot_table(
-        large, TABLE_ROWS, min(TABLE_WIDTH, side.pool.num_slots), side.pool, side.pool.num_slots
-    )
+    # The engine builds the large side's table for the workers (tp_worker.make_slot_table:
+    # a TPSlotTable for a tensor-parallel model, whose forwards refuse any other).
     g = torch.Generator().manual_seed(3)
     base = torch.randint(0, small.config.vocab_size, (9,), generator=g).tolist()
     prompts = [
