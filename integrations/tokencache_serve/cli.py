@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from . import DEFAULT_MODEL_NAME
+from .apikey import API_KEY_ENV, api_key
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokencache_serve")
 
 DESCRIPTION = "tokencache: OpenAI-compatible serving of two-model token routing"
-API_KEY_ENV = "TOKENCACHE_API_KEY"
 
 
 def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
@@ -214,11 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(sp)
     return ap
-
-
-def api_key(a: argparse.Namespace) -> str | None:
-    key: str | None = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV)
-    return key or None
 
 
 def is_loopback(host: str) -> bool:

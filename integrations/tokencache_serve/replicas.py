@@ -273,7 +273,7 @@ def serve_fleet(a: argparse.Namespace, argv: Sequence[str]) -> None:
     for k, p in enumerate(ports):
         extra = [] if kv is None else ["--kv-events-config", kv.with_port_offset(k).to_json()]
         cmds.append([*replica_command(serve_args, p), *extra])
-    from .cli import api_key
+    from .apikey import api_key
 
     # The replicas require it on /v1 (smg's probes of /v1/models too); smg given --api-key
     # sends it to the workers and requires it from its own clients.
