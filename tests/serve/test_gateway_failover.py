@@ -123,3 +123,43 @@ def test_api_key_through_the_gateway(tmp_path: Path) -> None:
     except BaseException:
         dump_logs(tmp_path)
         raise
+
+
+def test_a_stream_cut_by_a_crash_ends_with_an_error(fleet: Fleet) -> None:
+    """A started stream cannot be replayed on another worker: the client gets smg's error event
+    (the openai client raises), never a silently truncated answer, and no hang."""
+    import openai
+
+    assert fleet.gateway_url is not None
+    client = openai.OpenAI(
+        base_url=fleet.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    prompt = "t0 t0 t3 t4"  # greedy, 83 tokens before the tiny model's eos
+    out: dict[str, Any] = {"chunks": 0, "finish": None, "error": None}
+
+    def stream() -> None:
+        try:
+            for ch in client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=300, stream=True
+            ):
+                out["chunks"] += 1
+                if ch.choices and ch.choices[0].finish_reason:
+                    out["finish"] = ch.choices[0].finish_reason
+        except openai.APIError as e:
+            out["error"] = e
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 60
+    while out["chunks"] < 5:
+        assert time.monotonic() < deadline and t.is_alive(), out
+        time.sleep(0.005)
+    serving = [k for k, u in enumerate(fleet.replica_urls) if running(u)]
+    assert len(serving) == 1
+    fleet.kill_replica(serving[0])
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert out["error"] is not None and out["finish"] is None, out
+    # the gateway serves the same request whole on the survivor
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=300)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 83
