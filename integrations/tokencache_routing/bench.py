@@ -97,6 +97,11 @@ class Row:
     workload: str = "shared-prompt"
     max_new: int = 0  # new tokens per request (EOS-free: every request writes them all)
     max_running: int = 0  # the small batch cap: the concurrency of a --concurrency sweep
+    # The engine's host time per small step (everything but the forward's device work,
+    # Stats.small_host_s) and the share of a small step the GPU waits for it, serially:
+    # host / (host + the clock's device price). Event-loop rows only (0 for threaded ones).
+    host_ms_per_small_step: float = 0.0
+    gpu_idle_share: float = 0.0
 
 
 def point(r: Row) -> tuple[str, int, int, int]:
@@ -332,6 +337,10 @@ def run(
         workload=workload,
         max_new=max_new,
         max_running=a.max_running,
+        host_ms_per_small_step=1e3 * st.small_host_s / st.steps if st.steps else 0.0,
+        gpu_idle_share=(
+            st.small_host_s / (st.small_host_s + st.small_device_s) if st.small_host_s else 0.0
+        ),
     )
 
 
@@ -348,8 +357,8 @@ def _progress(total: int, desc: str, a: argparse.Namespace) -> Any:
 
 HEADER = (
     "| L | p | system | tok/s | x naive | TTFT p50 ms | TPOT p50 ms | TPOT p99 ms | occupancy | "
-    "small steps | catch-ups | mean catch-up | bookkeeping |\n"
-    "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "small steps | catch-ups | mean catch-up | bookkeeping | host ms / small step | GPU idle |\n"
+    "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -366,7 +375,8 @@ def table(rows: list[Row]) -> str:
             f"| {r.context} | {p} | {r.system} | {r.tokens_per_s:.0f} | {x} | "
             f"{r.ttft_p50_ms:.1f} | {r.tpot_p50_ms:.1f} | {r.tpot_p99_ms:.1f} | "
             f"{100 * r.occupancy:.0f}% | {r.small_steps} | {r.catchups} | "
-            f"{r.mean_catchup_batch:.1f} | {100 * r.bookkeeping_share:.2f}% |"
+            f"{r.mean_catchup_batch:.1f} | {100 * r.bookkeeping_share:.2f}% | "
+            f"{r.host_ms_per_small_step:.3f} | {100 * r.gpu_idle_share:.0f}% |"
         )
     return "\n".join(out)
 

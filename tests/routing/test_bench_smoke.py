@@ -39,6 +39,11 @@ def test_bench_runs_on_the_gpu_clock(
     assert by["tokencache"]["extra"]["shared_prefix"] is (profile == "h200-roofline")
     assert mode in by["tokencache"]["clock"] and mode in by["naive"]["clock"]
     assert 0 < by["tokencache"]["occupancy"] <= 1
+    # Host time per small step and the GPU's idle share beside it (event-loop rows: the engine
+    # measures its host path; threaded rows are wall time and report none).
+    for name in ("naive", "tokencache", "small alone"):
+        assert by[name]["host_ms_per_small_step"] > 0 and 0 < by[name]["gpu_idle_share"] < 1
+    assert by["threaded"]["host_ms_per_small_step"] == 0
     # The ceiling bounds every one-device schedule on the clock, the ideal included.
     ceiling = by["ceiling"]["tokens_per_s"]
     assert by["ideal"]["tokens_per_s"] <= ceiling
