@@ -130,7 +130,9 @@ def _alive(url: str, api_key: str | None = None) -> bool:
 
 class Fleet:
     """Replica processes and the gateway, started in order and always stopped (context
-    manager). Children run in their own sessions: the supervisor decides when they stop."""
+    manager). Children run in their own sessions (the supervisor decides when they stop) and
+    get SIGTERM if the thread that started them dies: start() from a thread that outlives
+    the fleet (the main thread)."""
 
     def __init__(
         self,
@@ -164,6 +166,7 @@ class Fleet:
             stderr=subprocess.STDOUT if out is not None else None,
             env=self.env,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     def start(self, timeout_s: float = 120.0) -> Fleet:
@@ -231,6 +234,18 @@ class Fleet:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started it dies (Linux
+    PR_SET_PDEATHSIG), so a supervisor killed outright (SIGKILL, a CI timeout) leaves no
+    replica or gateway behind. Elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _terminate(p: subprocess.Popen[bytes], grace_s: float) -> None:
