@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-EXTRAS = ("models", "routing", "sglang", "bench", "serve")
+EXTRAS = ("models", "routing", "sglang", "bench", "serve", "gateway")
 
 
 class MissingExtra(ImportError):

@@ -84,6 +84,7 @@ class RoutedEngine:
         small_device: str | torch.device | None = None,
         large_device: str | torch.device | None = None,
         host_charge: str = "serial",
+        kv_events: bool = False,
     ) -> None:
         if host_charge not in HOST_CHARGES:
             raise ValueError(f"host_charge must be one of {HOST_CHARGES}, got {host_charge!r}")
@@ -143,9 +144,12 @@ class RoutedEngine:
             from .naive_sglang import NaiveSGLangKV, SGLangSide  # imports sglang
 
             side_cls, handle_cls = SGLangSide, NaiveSGLangKV
+        # kv_events: both trees record the pages they store and remove (RadixTree.take_events),
+        # what a KV-event publisher (tokencache serve --kv-events-config) drains.
+        self.kv_events = kv_events
         self.sides = (
-            side_cls("small", small, small.make_kv_pool(n_small), page_size),
-            side_cls("large", large, large.make_kv_pool(n_large), page_size),
+            side_cls("small", small, small.make_kv_pool(n_small), page_size, kv_events),
+            side_cls("large", large, large.make_kv_pool(n_large), page_size, kv_events),
         )
         for s in self.sides:
             s.vocab_size = self.vocab_size

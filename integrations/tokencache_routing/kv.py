@@ -28,11 +28,14 @@ TABLE_WIDTH = 4096
 
 
 class ModelSide:
-    def __init__(self, name: str, model: CausalLM, pool: KVPool, page_size: int = 1) -> None:
+    def __init__(
+        self, name: str, model: CausalLM, pool: KVPool, page_size: int = 1, events: bool = False
+    ) -> None:
         self.name = name
         self.model = model
         self.pool = pool
-        self.tree = tokencache.RadixTree(page_size=page_size)
+        # events: the tree records stored / removed pages (take_events), for KV-event publishers
+        self.tree = tokencache.RadixTree(page_size=page_size, enable_events=events)
         # A tensor-parallel model's table also records its writes for the worker ranks.
         self.table = make_slot_table(
             model, TABLE_ROWS, min(TABLE_WIDTH, pool.num_slots), pool, max_width=pool.num_slots

@@ -112,8 +112,10 @@ class SGLangSide(ModelSide):
     ``self.tree`` (the tokencache tree the base class builds) stays empty and unused.
     """
 
-    def __init__(self, name: str, model: CausalLM, pool: KVPool, page_size: int = 1) -> None:
-        super().__init__(name, model, pool, page_size)
+    def __init__(
+        self, name: str, model: CausalLM, pool: KVPool, page_size: int = 1, events: bool = False
+    ) -> None:
+        super().__init__(name, model, pool, page_size)  # SGLang's cache records its own
         sgl = sglang_api()
         self.allocator = PoolAllocator(pool, lambda: self.timer())
         self.cache = sgl.RadixCache(

@@ -166,8 +166,10 @@ class Server:
         if config.kv_events is not None and config.kv_events.publisher != "null":
             from .kv_events import ZmqKVEventPublisher, enable_tree_events
 
-            # before the engine starts: its tree must record from the first insert
-            self.kv_publisher = ZmqKVEventPublisher(enable_tree_events(engine), config.kv_events)
+            # The engine built with kv_events records from the first insert; one built without
+            # gets a recording tree here, before it caches anything.
+            tree = engine.small.tree if engine.kv_events else enable_tree_events(engine)
+            self.kv_publisher = ZmqKVEventPublisher(tree, config.kv_events)
         # Prompts (JSON, chat template, encode) and outputs (decode, stop strings) in their own
         # threads: a huge prompt never stalls the loop, nor other requests' streams.
         n = config.tokenizer_threads

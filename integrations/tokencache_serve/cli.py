@@ -319,6 +319,7 @@ def build_app(a: argparse.Namespace) -> Starlette:
         tokenizer=models.tokenizer,
         eos_token_id=models.tokenizer.eos_token_id,
         mode=a.mode,
+        kv_events=config.kv_events is not None and config.kv_events.publisher != "null",
     )
     return create_app(engine, models.tokenizer, config)
 

@@ -125,3 +125,16 @@ def test_models_whose_vocabularies_differ_in_size_route_over_the_shared_ids(pair
     ref, _ = reference_generate(small, wide, prompts, 8, lambda i, p: bool(res.models[i][p]))
     assert res.tokens == ref and any(any(m) for m in res.models)
     assert max(max(t) for t in res.tokens) < small.config.vocab_size == eng.vocab_size
+
+
+def test_kv_events_are_recorded_when_asked(pair: Any) -> None:
+    """RoutedEngine(kv_events=True): both trees record the pages they store (what a KV-event
+    publisher drains with take_events); without it they record nothing."""
+    prompts = make_prompts(2, seed=6, shared=8)
+    on = RoutedEngine(*pair, EntropyRouter(math.inf), num_slots=512, kv_events=True)
+    on.generate(prompts, 4)
+    stored = [e for e in on.small.tree.take_events() if e.kind == "stored"]
+    assert stored and on.kv_events
+    off = RoutedEngine(*pair, EntropyRouter(math.inf), num_slots=512)
+    off.generate(prompts, 4)
+    assert off.small.tree.take_events() == []
