@@ -20,8 +20,6 @@ rows of a padded decode batch (a one-token context).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
@@ -313,9 +311,3 @@ def _nested_groups(members: np.ndarray, shared: np.ndarray) -> list[PrefixGroup]
         groups.append(PrefixGroup(tuple(sorted(sel.tolist())), p))
         j = i
     return groups
-
-
-def row_ranges(kv_offsets: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of the rows of a concatenated slot list with offsets kv_offsets."""
-    off = np.asarray(kv_offsets, np.int64).reshape(-1)
-    return off[:-1], np.diff(off)

@@ -107,9 +107,8 @@ class PreparedForward:
     # The prefix groups a shared-prefix runner reads once and their traffic (GpuClock.prefix_of);
     # set by the engine when its GPU clock models one (NO_PREFIX: none, or not asked)
     shared_prefix: PrefixRead = NO_PREFIX
-    # Measured by run() on the side's timer: the runner's host preparation (context, tables,
-    # the copy) and the time spent inside its device work (host time is the rest of a step).
-    prepare_s: float = 0.0
+    # Measured by run() on the side's timer: the time spent inside the forward's device work
+    # (the engine's host time for the step is the rest).
     execute_host_s: float = 0.0
 
     @property
@@ -118,12 +117,10 @@ class PreparedForward:
 
     def run(self) -> tuple[ForwardOutput, float]:
         """The forward; returns its output and its device time (on CUDA synchronised, so the
-        GPU time and not the launch time). The runner's host preparation before it is timed
-        apart into prepare_s."""
+        GPU time and not the launch time). The runner's host preparation before it is host
+        time of the step, like the scheduling around it."""
         model, timer = self.side.model, self.side.timer
-        t0 = timer()
         step = model.prepare(self.host, self.side.pool)
-        self.prepare_s = timer() - t0
         t1, w1 = timer(), time.perf_counter()
         out = model.execute(step)
         self.side.sync()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -205,10 +205,10 @@ class CursorKV(SlotRow):
     ) -> None:
         """One native extend for the whole batch; duplicates go back to the allocator and the
         rows point at the tree's slots for them instead."""
-        mine = [h for h in handles if isinstance(h, CursorKV)]
+        mine = cast("Sequence[CursorKV]", handles)  # a batch holds one handle kind
         with side.bookkeeping("extend"):
             cursors = [h.cursor for h in mine if h.cursor is not None]
-            if len(cursors) != len(handles):
+            if len(cursors) != len(mine):
                 raise RuntimeError("commit_many: a handle has no cursor (not attached)")
             dedup = side.tree.extend_many(cursors, offsets, tokens, slots)
         rows = np.fromiter((h.row for h in mine), np.int64, len(mine))
