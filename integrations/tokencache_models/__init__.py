@@ -16,7 +16,7 @@ from .config import (
     ModelConfig,
     UnsupportedConfigError,
 )
-from .context import ForwardContext, HostBatch, shared_prefix_len
+from .context import DeferredTokens, ForwardContext, HostBatch, shared_prefix_len
 from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool, SlotAllocator
 from .loader import (
@@ -54,6 +54,7 @@ __all__ = [
     "R1_DISTILL_QWEN_32B",
     "CausalLM",
     "DecodeGraphRunner",
+    "DeferredTokens",
     "ForwardBatch",
     "ForwardContext",
     "ForwardOutput",

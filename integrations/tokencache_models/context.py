@@ -77,6 +77,67 @@ def decode_kv_width(max_kv_len: int) -> int:
     return KV_CHUNK * (1 << (chunks - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class DeferredTokens:
+    """Input tokens the host does not know yet: rows of a device tensor (the previous step's
+    sampled tokens) that replace placeholders in the forward's flat token_ids.
+
+    An overlapped scheduler prepares step n+1 while the device still runs step n, so each
+    continuing request's input token is step n's sampled token, which lives on the device only.
+    The forward resolves token_ids[dest] = source[index] on the device, after its one packed
+    host -> device copy (index and dest travel in it), so the host never waits for step n: the
+    placeholders in the host token_ids are ignored. Shapes are checked here and against the
+    batch (HostBatch), early, on the host; the values of `source` are never read on the host.
+    `source` must be ready on the current stream (made on it, or waited for by the caller)."""
+
+    source: torch.Tensor  # [K] int64 on the model's device
+    index: np.ndarray  # [m] int64: which source entries
+    dest: np.ndarray  # [m] int64: which flat token positions they fill
+
+    def __post_init__(self) -> None:
+        index = np.asarray(self.index, np.int64).reshape(-1)
+        dest = np.asarray(self.dest, np.int64).reshape(-1)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "dest", dest)
+        if self.source.dim() != 1 or self.source.dtype != torch.int64:
+            raise ValueError(
+                f"DeferredTokens.source must be a 1-d int64 tensor, got {self.source.dtype} "
+                f"of shape {tuple(self.source.shape)}"
+            )
+        if len(index) != len(dest):
+            raise ValueError(
+                f"DeferredTokens: {len(index)} source indices for {len(dest)} destinations"
+            )
+        k = self.source.shape[0]  # a host-known shape: reading it is no sync
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= k):
+            raise ValueError(f"DeferredTokens.index out of range for a source of {k} tokens")
+        if len(dest) and int(dest.min()) < 0:
+            raise ValueError("DeferredTokens.dest holds a negative token position")
+        if len(np.unique(dest)) != len(dest):
+            raise ValueError("DeferredTokens.dest fills a token position twice")
+
+    def __len__(self) -> int:
+        return len(self.dest)
+
+    def check(self, num_tokens: int) -> None:
+        """Every destination is one of the batch's num_tokens flat positions."""
+        if len(self.dest) and int(self.dest.max()) >= num_tokens:
+            raise ValueError(
+                f"DeferredTokens.dest {int(self.dest.max())} out of range for a batch of "
+                f"{num_tokens} tokens"
+            )
+
+    def check_device(self, device: torch.device) -> None:
+        if self.source.device != device:
+            raise ValueError(
+                f"DeferredTokens.source is on {self.source.device}, the model on {device}"
+            )
+
+    def gather(self, index: torch.Tensor) -> torch.Tensor:
+        """source[index] on the device (index: this step's moved copy of self.index)."""
+        return self.source.index_select(0, index)
+
+
 @dataclass
 class HostBatch:
     """The batch as numpy int64 arrays, possibly with padding rows appended (decode only).
@@ -99,12 +160,21 @@ class HostBatch:
     num_real: int  # requests [0, num_real) are real; the rest are padding rows
     table: SlotTable | None = None
     rows: np.ndarray | None = None  # the real rows' slot-table rows (with `table`)
+    # Input tokens still on the device (the previous step's samples): token_ids[dest] are
+    # placeholders, replaced on the device by every forward path (DeferredTokens).
+    deferred: DeferredTokens | None = None
     # Candidate groups once found (the runner and the GPU clock both ask); shared by the
     # padded copies, whose real rows are the same.
     memo: dict[str, list[PrefixGroup]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.deferred is not None:
+            self.deferred.check(len(self.token_ids))
+
     @classmethod
-    def from_batch(cls, batch: ForwardBatch) -> HostBatch:
+    def from_batch(
+        cls, batch: ForwardBatch, *, deferred: DeferredTokens | None = None
+    ) -> HostBatch:
         def np64(t: torch.Tensor) -> np.ndarray:
             return np.asarray(t.detach().cpu().numpy(), dtype=np.int64).reshape(-1)
 
@@ -118,6 +188,7 @@ class HostBatch:
             kv_starts=kv_offsets[:-1],
             kv_lens=np.diff(kv_offsets),
             num_real=batch.num_requests,
+            deferred=deferred,
         )
 
     @classmethod
@@ -130,9 +201,12 @@ class HostBatch:
         out_slots: np.ndarray,
         q_offsets: np.ndarray,
         kv_lens: np.ndarray,
+        *,
+        deferred: DeferredTokens | None = None,
     ) -> HostBatch:
         """A forward over slot-table rows whose entries [0, kv_lens[i]) already hold each
-        request's slots, this forward's new ones included (SlotTable.scatter)."""
+        request's slots, this forward's new ones included (SlotTable.scatter). deferred: input
+        tokens still on the device (their token_ids entries are placeholders)."""
         return cls(
             token_ids=token_ids,
             positions=positions,
@@ -144,6 +218,7 @@ class HostBatch:
             num_real=len(rows),
             table=table,
             rows=rows,
+            deferred=deferred,
         )
 
     @property
@@ -188,7 +263,8 @@ class HostBatch:
 
     def padded(self, rows: int, scratch_slot: int) -> HostBatch:
         """Appends decode padding rows up to `rows`: token 0 at position 0, writing and reading
-        only the scratch slot (a one-token context), so real rows are untouched."""
+        only the scratch slot (a one-token context), so real rows are untouched. Deferred
+        tokens are kept (the real tokens keep their flat positions)."""
         n = rows - self.num_requests
         if n < 0:
             raise ValueError(f"cannot pad {self.num_requests} requests down to {rows} rows")
@@ -336,8 +412,20 @@ class ForwardContext:
         if groups:
             assert shared_prefix is not None
             tables = prefix_tables(groups, hb.q_offsets, hb.kv_starts, shared_prefix).arrays()
-        moved = to_device(base + tables + list(extra), device)
-        facts["arrays"] = moved[len(base) + len(tables) :]
+        deferred = hb.deferred
+        late: list[np.ndarray] = []
+        if deferred is not None:
+            deferred.check_device(device)
+            late = [deferred.index, deferred.dest]  # in the same one copy
+        moved = to_device(base + tables + list(extra) + late, device)
+        at = len(base) + len(tables)
+        facts["arrays"] = moved[at : at + len(extra)]
+        token_ids = moved[0]
+        if deferred is not None:
+            # token_ids[dest] = source[index], on the device and out of place (on the CPU
+            # moved[0] is a view of the caller's array): no host sync, placeholders ignored.
+            index, dest = moved[-2], moved[-1]
+            token_ids = token_ids.index_copy(0, dest, deferred.gather(index))
         if hb.table is None:
             kv_slots = moved[7]
         else:
@@ -364,7 +452,7 @@ class ForwardContext:
             max_q_len=int(q_lens.max()),
             kv_width=decode_kv_width(max_kv) if is_decode else max_kv,
             is_decode=is_decode,
-            token_ids=moved[0],
+            token_ids=token_ids,
             positions=moved[1],
             out_slots=moved[2],
             kv_slots=kv_slots,

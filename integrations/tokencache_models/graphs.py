@@ -92,10 +92,11 @@ class DecodeGraphRunner:
         # A step's slot list when it brings one (ForwardBatch); a slot table is read in place.
         self._kv_slots = i64(torch.zeros(self.kv_capacity))
         # The step's inputs, packed in one buffer so that a step loads them in one copy:
-        # tokens, positions, out slots, row starts and lengths, and the shared-prefix tables
-        # (shared-prefix graphs; prefix_groups.PrefixTables): row skips, tiles, tokens.
+        # tokens, positions, out slots, row starts and lengths, the shared-prefix tables
+        # (shared-prefix graphs; prefix_groups.PrefixTables): row skips, tiles, tokens, and the
+        # deferred tokens' source indices and destinations (DeferredTokens; at most a row each).
         tiles = max_tiles(self.prefix_shape, n) * TILE_FIELDS
-        self._layout = (n, n, n, n, n, n, tiles, n)
+        self._layout = (n, n, n, n, n, n, tiles, n, n, n)
         self._inputs = i64(torch.zeros(sum(self._layout)))
         (
             self._tokens,
@@ -106,6 +107,8 @@ class DecodeGraphRunner:
             self._row_skip,
             self._tiles,
             self._prefix_tokens,
+            self._deferred_index,
+            self._deferred_dest,
         ) = torch.split(self._inputs, list(self._layout))
         self._starts = np.cumsum((0, *self._layout[:-1])).tolist()
         # Off the CPU the host fills a copy of the buffer (pinned on CUDA; two, alternating:
@@ -227,8 +230,23 @@ class DecodeGraphRunner:
             tiles = tables.tiles.reshape(-1)
             host[at[6] : at[6] + len(tiles)] = tiles
             host[at[7] : at[7] + len(tables.tokens)] = tables.tokens
+        deferred = hb.deferred
+        m = len(deferred) if deferred is not None else 0
+        if deferred is not None:
+            deferred.check_device(self._tokens.device)
+            host[at[8] : at[8] + m] = deferred.index
+            host[at[9] : at[9] + m] = deferred.dest
         if self._staging:
             self._inputs.copy_(staging, non_blocking=True)
+        if deferred is not None and m:
+            # The static token buffer gets token_ids[dest] = source[index] on the device, after
+            # the packed copy and BEFORE the replay, outside the graph (stream order makes the
+            # replay see it; the host waits for nothing). Not inside the graph: `source` is a
+            # new tensor every step (the previous step's samples) and a graph would replay the
+            # address it captured; a static source buffer would cost the same gather to fill,
+            # and m varies per step, so the graphs and their keys stay as they were.
+            index, dest = self._deferred_index[:m], self._deferred_dest[:m]
+            self._tokens.index_copy_(0, dest, deferred.gather(index))
         if hb.table is None:
             (slots,) = to_device([hb.kv_slots], self._kv_slots.device)
             self._kv_slots[: slots.numel()].copy_(slots)  # the step's own slot list

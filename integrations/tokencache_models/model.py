@@ -265,6 +265,14 @@ class CausalLM(nn.Module):
         what execute() then runs is device work only."""
         backend = self.attention(attention_backend)
         hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
+        if hb.deferred is not None and self.tp_group is not None and self.tp_group.world > 1:
+            # The worker ranks would need the resolved tokens: a host sync on the engine's
+            # rank, for a case that does not arise (the small model, which would take deferred
+            # tokens, is never the tensor-parallel one). Refused rather than synced silently.
+            raise ValueError(
+                "DeferredTokens are not supported on a tensor-parallel model: resolve the "
+                "tokens on the host (write them into token_ids) for its forwards"
+            )
         step = self._prepare(hb, pool, backend)
         if self.tp is not None:  # after our own host work: its prefix groups travel too
             step.tp_payload = self.tp.prepared(hb, pool, backend.name)

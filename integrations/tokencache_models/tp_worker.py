@@ -160,6 +160,8 @@ def _decode_groups(enc: np.ndarray) -> list[PrefixGroup]:
 def encode_forward(hb: HostBatch, pool_id: int, backend: str, seq: int) -> Payload:
     """The worker's copy of a forward: O(batch + new tokens), plus the slot table's writes since
     the last forward (the whole table only when its storage moved)."""
+    if hb.deferred is not None:  # CausalLM.prepare refuses them first; the wire has no room
+        raise ValueError("DeferredTokens are not supported on a tensor-parallel model")
     header = np.zeros(HEADER, np.int64)
     t, b = len(hb.token_ids), hb.num_requests
     parts = [hb.token_ids, hb.positions, hb.out_slots, hb.q_offsets, hb.kv_starts, hb.kv_lens]
