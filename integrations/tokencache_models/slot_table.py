@@ -153,6 +153,32 @@ class SlotTable:
             flat = rows * self.width + positions
             self._pending.append((flat, np.asarray(slots, np.int64).copy()))
 
+    def patch(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Entries a commit found cached already now hold the cache's slots (a tree's Dedup;
+        the replaced slots go back to the allocator, to be reused). With overlapped scheduling
+        a row's facts may have been checked over such an entry already (the next step was
+        prepared before this one's commit): what was checked from the lowest patched position
+        on is checked again, and a reference the row extends is cut back there, so no claim
+        rests on a replaced slot."""
+        self.scatter(rows, positions, slots)
+        if len(rows) == 0:
+            return
+        order = np.lexsort((positions, rows))
+        first = np.flatnonzero(np.diff(rows[order], prepend=-1) != 0)
+        for r, lo in zip(
+            rows[order][first].tolist(), positions[order][first].tolist(), strict=True
+        ):
+            if self._checked[r] <= lo:
+                continue
+            self._checked[r] = lo
+            if self.shared_len[r] > lo:
+                self.shared_len[r] = lo
+                self._final[r] = False
+            key = int(self._key[r])
+            ref = self._refs.get(key) if key >= 0 else None
+            if ref is not None and ref.owner == r and ref.length > lo:
+                ref.length = lo
+
     def row(self, row: int, length: int) -> np.ndarray:
         """A view of the row's first `length` slots (no copy)."""
         return self.host[row, :length]

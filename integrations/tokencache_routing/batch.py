@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from tokencache_models import ForwardOutput, HostBatch
+from tokencache_models import DeferredTokens, ForwardOutput, HostBatch
 
 from .clock import NO_PREFIX, PrefixRead
 from .kv import KVHandle, ModelSide
+from .sampling import Draw, draw
 from .state import Request
 
 
@@ -24,15 +25,17 @@ def overlaps_prefill(
     cached: Callable[[Request], int] | None = None,
 ) -> bool:
     """True when r shares at least a page of prefix that is not cached yet with a request
-    whose prefill in this model has not run yet: admitted together, both would prefill it (the
-    duplicate freed afterwards), so r waits one step and then matches the first one's KV in the
-    tree instead. cached(r): how much of r the tree already holds (asked only on an overlap)."""
+    whose prefill in this model has not run yet, or runs now (overlap: launched, not
+    committed): admitted together, both would prefill it (the duplicate freed afterwards), so r
+    waits one step and then matches the first one's KV in the tree instead. cached(r): how much
+    of r the tree already holds (asked only on an overlap)."""
     known = -1
     for q in running:
-        if q.kv[kind].attached:
-            continue
         m = min(r.n, q.n) - 1  # attach matches seq[:-1]
         if m < page_size:
+            continue
+        h = q.kv[kind] if q.kv else None
+        if h is not None and h.attached and h.length >= m:  # its KV there is committed
             continue
         diff = np.flatnonzero(r.seq[:m] != q.seq[:m])
         common = diff[0] if len(diff) else m
@@ -85,31 +88,52 @@ def attach_all(batch: Sequence[Request], kind: int) -> None:
             h.attach(r.seq[: r.n])
 
 
-def tokens_needed(batch: Sequence[Request], kind: int) -> int:
-    return sum(r.n - r.kv[kind].length for r in batch)
+def tokens_needed(batch: Sequence[Request], kind: int, ahead: Collection[int] = ()) -> int:
+    """New KV slots a forward over batch needs in this model: every token not in its KV yet,
+    or one for a request that continues an in-flight forward (its id in ahead)."""
+    if not ahead:
+        return sum(r.n - r.kv[kind].length for r in batch)
+    return sum(1 if id(r) in ahead else r.n - r.kv[kind].length for r in batch)
 
 
 @dataclass
 class PreparedForward:
     """One forward's inputs with its new KV slots allocated. Whoever prepares it must end it
     with commit() (the handles take the slots) or discard() (the slots go back): nothing leaks
-    when the forward, the router or a commit raises."""
+    when the forward, the router or a commit raises.
+
+    Overlapped scheduling prepares a small step while the previous one still runs: a request of
+    that step continues here with its input token still on the device (`ahead` rows: the
+    previous step's draw, resolved by the runner, DeferredTokens). A row whose request the
+    previous step parks or ends is dropped (`dropped`): computed, never committed, its slot
+    freed."""
 
     side: ModelSide
     batch: list[Request]
     handles: list[KVHandle]
     q_off: np.ndarray
-    kv_lens: np.ndarray  # per request: context after this forward
+    kv_lens: np.ndarray  # per request: context after this forward (its token's index)
     tokens: np.ndarray
     new_slots: np.ndarray
     host: HostBatch  # the forward over the side's slot-table rows (new slots already in them)
     done: bool = False
+    # Overlap: the in-flight forward this one continues, which rows do (ahead) and their rows
+    # there (source); dropped once committed, so no chain of forwards stays referenced.
+    after: PreparedForward | None = None
+    ahead: np.ndarray | None = None
+    source: np.ndarray | None = None
     # The prefix groups a shared-prefix runner reads once and their traffic (GpuClock.prefix_of);
     # set by the engine when its GPU clock models one (NO_PREFIX: none, or not asked)
     shared_prefix: PrefixRead = NO_PREFIX
     # Measured by run() on the side's timer: the time spent inside the forward's device work
     # (the engine's host time for the step is the rest).
     execute_host_s: float = 0.0
+    # After launch(): the forward's output and the tokens drawn from it, on the device.
+    out: ForwardOutput | None = None
+    drawn: Draw | None = None
+    resolved: np.ndarray | None = None  # the draw on the host, once the step is finished
+    dropped: set[int] = dataclasses.field(default_factory=set)
+    successor: PreparedForward | None = None  # the forward that continues this one's rows
 
     @property
     def num_tokens(self) -> int:
@@ -130,14 +154,53 @@ class PreparedForward:
             out = dataclasses.replace(out, logits=out.logits[:, : self.side.vocab_size])
         return out, w2 - w1
 
+    def launch(self) -> float:
+        """run() and the draw of each row's next token, both left on the device (the output
+        is read when the step is finished); returns the forward's device time as run()."""
+        out, dt = self.run()
+        self.out = out
+        self.drawn = draw(out.logits, self.batch, self.kv_lens)
+        return dt
+
+    def live(self) -> list[bool]:
+        """Rows whose request takes this forward's result: not dropped, not ended meanwhile."""
+        return [
+            i not in self.dropped and r.finished_reason is None for i, r in enumerate(self.batch)
+        ]
+
     def commit(self) -> None:
-        """Handles extended in one call (duplicates of cached tokens freed by the handles)."""
+        """The live rows' handles extended in one call (duplicates of cached tokens freed by
+        the handles); the other rows' new slots go back. Deferred input tokens are known by
+        now (the previous step committed them): they are read from the requests."""
         if self.done:
             raise RuntimeError("forward already committed or discarded")
-        self.handles[0].commit_many(
-            self.side, self.handles, self.q_off, self.tokens, self.new_slots
-        )
         self.done = True
+        live = self.live()
+        if self.after is not None and self.ahead is not None and self.source is not None:
+            rows = np.flatnonzero(self.ahead)
+            fed = np.asarray(live)[rows]
+            if fed.any():
+                if self.after.resolved is None:
+                    raise RuntimeError("a forward committed before the one it continues")
+                self.tokens[self.q_off[rows[fed]]] = self.after.resolved[self.source[fed]]
+            self.after = None
+        if all(live):
+            self.handles[0].commit_many(
+                self.side, self.handles, self.q_off, self.tokens, self.new_slots
+            )
+            return
+        keep = np.flatnonzero(live)
+        lo, hi = self.q_off[:-1], self.q_off[1:]
+        gone = np.flatnonzero(~np.asarray(live))
+        self.side.free(np.concatenate([self.new_slots[lo[i] : hi[i]] for i in gone.tolist()]))
+        if not len(keep):
+            return
+        spans = [np.arange(lo[i], hi[i]) for i in keep.tolist()]
+        take = np.concatenate(spans)
+        q_off = np.zeros(len(keep) + 1, np.int64)
+        np.cumsum(hi[keep] - lo[keep], out=q_off[1:])
+        handles = [self.handles[i] for i in keep.tolist()]
+        handles[0].commit_many(self.side, handles, q_off, self.tokens[take], self.new_slots[take])
 
     def discard(self) -> None:
         if not self.done:
@@ -145,15 +208,31 @@ class PreparedForward:
             self.side.free(self.new_slots)
 
 
-def prepare_forward(side: ModelSide, batch: Sequence[Request], kind: int) -> PreparedForward:
+def prepare_forward(
+    side: ModelSide,
+    batch: Sequence[Request],
+    kind: int,
+    after: PreparedForward | None = None,
+    source: np.ndarray | None = None,
+) -> PreparedForward:
     """A forward over every request's tokens not yet in this model's KV (room already made).
     O(batch + new tokens): the new slots are appended to the requests' slot-table rows, which
-    the runner reads in place; nothing is copied per context token."""
+    the runner reads in place; nothing is copied per context token.
+    after / source: row i with source[i] >= 0 continues row source[i] of the in-flight forward
+    `after`: one new token, at the place after that row's, whose id is `after`'s draw (still on
+    the device: the runner resolves it)."""
     n = len(batch)
     handles = [r.kv[kind] for r in batch]
     starts = np.fromiter((h.length for h in handles), np.int64, n)
     ends = np.fromiter((r.n for r in batch), np.int64, n)
     rows = np.fromiter((h.row for h in handles), np.int64, n)
+    ahead = dest = src = None
+    if after is not None and source is not None:
+        ahead = source >= 0
+        dest = np.flatnonzero(ahead)
+        src = source[dest]
+        starts[dest] = after.kv_lens[src]
+        ends[dest] = starts[dest] + 1
     q_lens = ends - starts
     q_off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=q_off[1:])
@@ -168,4 +247,11 @@ def prepare_forward(side: ModelSide, batch: Sequence[Request], kind: int) -> Pre
     new_slots = side.alloc(total)
     side.table.scatter(token_rows, positions, new_slots)
     host = HostBatch.from_table(side.table, rows, tokens, positions, new_slots, q_off, ends)
-    return PreparedForward(side, list(batch), handles, q_off, ends, tokens, new_slots, host)
+    prep = PreparedForward(side, list(batch), handles, q_off, ends, tokens, new_slots, host)
+    if after is not None and dest is not None and src is not None and len(dest):
+        assert after.drawn is not None, "the forward continued from was not launched"
+        tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
+        host.deferred = DeferredTokens(after.drawn.tokens, src, q_off[dest])
+        prep.after, prep.ahead, prep.source = after, ahead, src
+        after.successor = prep
+    return prep

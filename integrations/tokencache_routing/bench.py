@@ -98,8 +98,9 @@ class Row:
     max_new: int = 0  # new tokens per request (EOS-free: every request writes them all)
     max_running: int = 0  # the small batch cap: the concurrency of a --concurrency sweep
     # The engine's host time per small step (everything but the forward's device work,
-    # Stats.small_host_s) and the share of a small step the GPU waits for it, serially:
-    # host / (host + the clock's device price). Event-loop rows only (0 for threaded ones).
+    # Stats.small_host_s) and the share of the small model's device time spent waiting for
+    # the host (Stats.device_idle_s: all the host time without overlap, the late launches
+    # with it) over idle + busy. Event-loop rows only (0 for threaded ones).
     host_ms_per_small_step: float = 0.0
     gpu_idle_share: float = 0.0
 
@@ -339,7 +340,7 @@ def run(
         max_running=a.max_running,
         host_ms_per_small_step=1e3 * st.small_host_s / st.steps if st.steps else 0.0,
         gpu_idle_share=(
-            st.small_host_s / (st.small_host_s + st.small_device_s) if st.small_host_s else 0.0
+            st.device_idle_s / (st.device_idle_s + st.small_device_s) if st.device_idle_s else 0.0
         ),
     )
 

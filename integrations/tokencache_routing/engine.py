@@ -17,6 +17,7 @@ barrier: every step waits for every parked request's catch-up.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -24,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -85,6 +87,7 @@ class RoutedEngine:
         large_device: str | torch.device | None = None,
         host_charge: str = "serial",
         kv_events: bool = False,
+        overlap: bool | None = None,
     ) -> None:
         if host_charge not in HOST_CHARGES:
             raise ValueError(f"host_charge must be one of {HOST_CHARGES}, got {host_charge!r}")
@@ -94,6 +97,12 @@ class RoutedEngine:
             raise ValueError("mode must be 'events' (deterministic) or 'threaded'")
         if mode == "threaded" and dispatch != "tokencache":
             raise ValueError("mode='threaded' needs dispatch='tokencache' (naive has a barrier)")
+        if overlap is None:
+            overlap = dispatch == "tokencache"
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool or None, got {overlap!r}")
+        if overlap and dispatch != "tokencache":
+            raise ValueError("overlap=True needs dispatch='tokencache' (naive has a barrier)")
         # Vocabularies may differ in size, not in meaning: checkpoints of one family pad their
         # embedding tables differently (R1-Distill-Qwen-1.5B 151,936 rows, -32B 152,064). The
         # engine routes over the ids both have; the rest of the logits are dropped.
@@ -132,6 +141,9 @@ class RoutedEngine:
         self.topology = topology
         self.large_step_cost = float(cost)
         self.host_charge = host_charge
+        # Overlapped scheduling: the next small step is prepared and launched before the one
+        # the device runs now is finished on the host (its tokens drawn on the device).
+        self.overlap = overlap
         self.gpu_clock = (
             GpuClock() if clock == "gpu" else clock if isinstance(clock, GpuClock) else None
         )
@@ -181,6 +193,10 @@ class RoutedEngine:
         self._current: list[RequestHandle] = []  # the latest stream: abort(int) indexes it
         # engine clocks (event loop): the small model's, the large model's, a catch-up's end
         self._t_small = self._t_large = self._done_at = 0.0
+        # Overlap (event loop): the small step launched and not finished yet, and when the
+        # device's queue is done on the engine clock (the host clock is _t_small).
+        self._pending: _Launched | None = None
+        self._dev_free = 0.0
         self._wall0 = time.perf_counter()
 
     # ---------------------------------------------------------------- properties
@@ -460,6 +476,9 @@ class RoutedEngine:
         with self.sched.lock:
             self.intake()
             self.sched.apply_aborts()
+            if self._pending is not None:  # its requests end (aborted) or go on from here
+                self._land_pending()
+                self.sched.apply_aborts()
             touched = self.sched.take_touched()
         self.notify(touched)
 
@@ -593,9 +612,14 @@ class RoutedEngine:
             self._rejoin()
             s.admit(not_after=self._t_small)
         if not s.has_work():
-            return False
+            if self._pending is None:
+                return False
+            self._land_pending()  # only rows dropped from it are left: their slots go back
+            return True
         if s.barrier:
             self._barrier_iteration()
+        elif self.overlap:
+            self._pipelined_iteration()
         elif self.topology == "two-devices":
             self._overlapped_iteration()
         else:
@@ -703,46 +727,204 @@ class RoutedEngine:
         return self._run(LARGE, t)
 
     def _run(self, kind: int, t: float) -> tuple[float, list[Request]]:
-        """Schedule, run and commit one forward of a model starting at clock time t; returns its
-        cost on the engine clock and the requests finish_* hands back (parked after a small
-        step, going on after a catch-up)."""
-        s = self.sched
-        if kind == SMALL:
-            schedule, finish = s.schedule_small, s.finish_small
-        else:
-            schedule, finish = s.schedule_large, s.finish_large
-        timer = self.sides[kind].timer
-        h0, tree0 = timer(), self._tree_s()
+        """Schedule, run and commit one forward of a model starting at clock time t, the host
+        waiting for the device in between (no overlap); returns its cost on the engine clock
+        and the requests finish_* hands back (parked after a small step, going on after a
+        catch-up)."""
         try:
-            prep = schedule()
+            launched = self._launch(kind)
         except WaitForMemory:  # nothing is busy in the event loop
             raise RuntimeError("event loop: memory held by a busy request") from None
-        if prep is None:
+        if launched is None:
             return 0.0, []
+        # Tokens are delivered at the step's end: its host time so far and its device work.
+        back, host, tree = self._land(launched, t + self._charge(*launched.costs))
+        cost = self._charge(launched.device_s, host, tree)
+        if kind == SMALL:  # the GPU waits for what the clock charges beyond its work
+            self.sched.stats.device_idle_s += cost - launched.device_s
+        return cost, back
+
+    def _launch(self, kind: int, after: PreparedForward | None = None) -> _Launched | None:
+        """Schedule one forward of a model and launch it (its tokens drawn on the device);
+        None when there is nothing to run. Raises WaitForMemory from the scheduler."""
+        s = self.sched
+        timer = self.sides[kind].timer
+        h0, tree0 = timer(), self._tree_s()
+        prep = s.schedule_small(after) if kind == SMALL else s.schedule_large()
+        if prep is None:
+            return None
         try:
-            out, dt = prep.run()
+            dt = prep.launch()
         except BaseException as e:
             s.abandon(prep, e)
             if not isinstance(e, Exception):
                 raise
-            return 0.0, []
-        h1 = timer()
-        device = self._cost(kind, prep, dt)
-        # The host time so far: all of this step's but the forward's device work.
-        host = h1 - h0 - prep.execute_host_s
-        h2 = timer()
-        back = finish(prep, out, t + self._charge(device, host + h2 - h1, self._tree_s() - tree0))
-        host += timer() - h1
-        tree = self._tree_s() - tree0
+            return None
+        device = self._cost(kind, prep, dt)  # the clock's own grouping is host work too
+        host = timer() - h0 - prep.execute_host_s
+        return _Launched(kind, prep, dt, device, host, self._tree_s() - tree0)
+
+    def _land(self, launched: _Launched, now: float) -> tuple[list[Request], float, float]:
+        """Finish a launched forward on the host at engine time `now` (tokens committed and
+        delivered); returns what finish_* hands back, and the forward's host and tree time in
+        all (launch and finish)."""
+        s, kind, prep = self.sched, launched.kind, launched.prep
+        timer = self.sides[kind].timer
+        h0, tree0 = timer(), self._tree_s()
+        assert prep.out is not None
+        finish = s.finish_small if kind == SMALL else s.finish_large
+        back = finish(prep, prep.out, now)
+        host = launched.host_s + timer() - h0
+        tree = launched.tree_s + self._tree_s() - tree0
         st = s.stats
         st.host_s += host
         if kind == SMALL:
-            st.small_forward_s += dt
+            st.small_forward_s += launched.forward_s
             st.small_host_s += host
-            st.small_device_s += device
+            st.small_device_s += launched.device_s
+            for r in back:
+                r.parked_step = st.steps
         else:
-            st.large_forward_s += dt
-        return self._charge(device, host, tree), back
+            st.large_forward_s += launched.forward_s
+        return back, host, tree
+
+    # ------------------------------------------------------------ overlapped event loop
+
+    def _host_cost(self, host_s: float, tree_s: float) -> float:
+        """Host time on the engine clock: what host_charge counts of it ("trees": the tree
+        calls only); none on the step clock."""
+        if self.clock == "steps":
+            return 0.0
+        return tree_s if self.host_charge == "trees" else host_s
+
+    def _start_on_device(self, launched: _Launched, host_cost: float) -> None:
+        """The host clock advances by the launch's host work, then the forward queues on the
+        device: it starts when both the host launched it and the device is free."""
+        self._t_small += host_cost
+        start = max(self._dev_free, self._t_small)
+        if launched.kind == SMALL:
+            self.sched.stats.device_idle_s += start - self._dev_free
+        self._dev_free = start + launched.device_s
+        launched.end = self._dev_free
+
+    def _launch_timed(self, kind: int, after: PreparedForward | None = None) -> _Launched | None:
+        launched = self._launch(kind, after)
+        if launched is not None:
+            self._start_on_device(launched, self._host_cost(launched.host_s, launched.tree_s))
+        return launched
+
+    def _land_timed(self, launched: _Launched) -> list[Request]:
+        """The host waits for the forward's end on the device, then finishes it."""
+        self._t_small = max(self._t_small, launched.end)
+        h0, tree0 = launched.host_s, launched.tree_s
+        back, host, tree = self._land(launched, self._t_small)
+        self._t_small += self._host_cost(host - h0, tree - tree0)
+        return back
+
+    def _land_pending(self) -> None:
+        """Finish the pending small step, if any (overlap)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._land_timed(pending)
+
+    def _pipelined_iteration(self) -> None:
+        """Overlap: the next small step is scheduled, prepared and launched while the device
+        still runs the previous one, whose tokens the host then finishes (SGLang's overlap
+        scheduler, vLLM's async scheduling). Its requests continue in the new step with their
+        drawn token (resolved on the device); one the router parks or that ends is dropped
+        from it. On one device a due catch-up is launched right after (queued behind the new
+        step) and finished at once, so its requests join the next step (a request the router
+        parks misses the one step it was dropped from); the device then waits for the next
+        step's preparation, the one host time a catch-up does not hide. On two devices a
+        catch-up runs beside the small steps, its requests rejoining at its end. The host
+        waits for the device only to finish a step; the clock charges what the device waits
+        for the host (Stats.device_idle_s)."""
+        s, st = self.sched, self.sched.stats
+        if self.topology == "two-devices" and not s.inflight and self._large_due():
+            catchup = self._launch_large_timed()
+            if catchup is not None:  # finished at once; rejoins at its end (_rejoin)
+                self._finish_catchup(catchup)
+        # The pending step stays in _pending until it is finished: whatever raises meanwhile,
+        # the next iteration or _flush_aborts finishes it (nothing stays busy or allocated).
+        pending = self._pending
+        try:
+            nxt = self._launch_timed(SMALL, pending.prep if pending is not None else None)
+        except WaitForMemory:  # memory held by busy requests: finish what holds it first
+            if pending is None:
+                raise RuntimeError("event loop: memory held by a busy request") from None
+            self._land_pending()
+            pending = nxt = None
+            with contextlib.suppress(WaitForMemory):
+                nxt = self._launch_timed(SMALL)
+        self._pending = nxt
+        if pending is not None:
+            self._land_timed(pending)
+        if self.topology == "one-device":
+            # Places the landed step freed are refilled before holes can launch a catch-up.
+            self.intake()
+            s.admit(not_after=self._t_small)
+            if self._large_due():
+                catchup = self._launch_large_timed()
+                if catchup is not None:
+                    self._finish_catchup(catchup)
+            self._t_large = self._t_small
+            return
+        self._t_large = max(self._t_large, self._t_small)
+        if nxt is None and not s.running and s.inflight:  # idle until the catch-up is back
+            st.small_idle_s += max(0.0, self._done_at - self._t_small)
+            self._t_small = max(self._t_small, self._done_at)
+
+    def _launch_large_timed(self) -> _Launched | None:
+        """A catch-up on the large model: on one device it queues behind the small steps;
+        on two it starts when the large device is free."""
+        if self.topology == "one-device":
+            try:
+                return self._launch_timed(LARGE)
+            except WaitForMemory:
+                return None
+        try:
+            launched = self._launch(LARGE)
+        except WaitForMemory:
+            return None
+        if launched is not None:
+            self._t_small += self._host_cost(launched.host_s, launched.tree_s)
+            start = max(self._t_large, self._t_small)
+            launched.end = self._t_large = start + launched.device_s
+        return launched
+
+    def _finish_catchup(self, catchup: _Launched) -> None:
+        s, st = self.sched, self.sched.stats
+        if self.topology == "one-device":
+            if s.running or s.busy:
+                st.small_idle_s += catchup.device_s
+            s.running += self._land_timed(catchup)
+            return
+        # Two devices: finished on the host now, its requests rejoin once the small clock
+        # reaches the catch-up's end (_rejoin).
+        h0, tree0 = catchup.host_s, catchup.tree_s
+        back, host, tree = self._land(catchup, catchup.end)
+        self._t_small += self._host_cost(host - h0, tree - tree0)
+        self._done_at = catchup.end
+        s.inflight = back
+
+
+@dataclass
+class _Launched:
+    """A forward launched by the event loop and not finished yet: its device time measured
+    (forward_s) and on the engine clock (device_s), its host and tree time so far, and (with
+    overlap) when it ends on the engine clock."""
+
+    kind: int
+    prep: PreparedForward
+    forward_s: float
+    device_s: float
+    host_s: float
+    tree_s: float
+    end: float = 0.0
+
+    @property
+    def costs(self) -> tuple[float, float, float]:
+        return self.device_s, self.host_s, self.tree_s
 
 
 def _put_index(q: queue.SimpleQueue[int], i: int, _handle: RequestHandle) -> None:

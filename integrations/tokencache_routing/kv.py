@@ -216,7 +216,7 @@ class CursorKV(SlotRow):
             h._committed(int(offsets[i + 1] - offsets[i]))
         if len(dedup):
             req = dedup.request
-            side.table.scatter(rows[req], dedup.positions, dedup.slots)
+            side.table.patch(rows[req], dedup.positions, dedup.slots)
             side.free(dedup.freed)
 
     def park(self, seq: np.ndarray) -> None:

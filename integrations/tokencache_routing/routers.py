@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .rng import splitmix64, to_unit
+
 
 @dataclass
 class RouterFeatures:
@@ -72,17 +74,6 @@ class Top1ProbRouter(Router):
         return f.top1_prob < self.threshold
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """Counter-based hash: a pure function of its input, so decisions replay after preemption."""
-    x = x.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        out: np.ndarray = x ^ (x >> np.uint64(31))
-        return out
-
-
 class BernoulliRouter(Router):
     """Escalate with probability p, deterministically in (seed, request id, position)."""
 
@@ -97,7 +88,7 @@ class BernoulliRouter(Router):
                 ^ (rids.astype(np.uint64) << np.uint64(32))
                 ^ positions.astype(np.uint64)
             )
-        u = (_splitmix64(key) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+        u = to_unit(splitmix64(key))
         escalate: np.ndarray = u < self.p
         return escalate
 

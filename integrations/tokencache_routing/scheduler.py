@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from tokencache_models import ForwardOutput
 
@@ -27,7 +29,7 @@ from .batch import (
 )
 from .kv import KVHandle, ModelSide
 from .routers import Router
-from .sampling import route_step, sample
+from .sampling import draw, route_step
 from .state import LARGE, SMALL, Request, Stats
 
 
@@ -273,7 +275,7 @@ class Scheduler:
                 self.waiting.appendleft(r)
                 break
             if self.holdback and overlaps_prefill(
-                r, self.running, SMALL, small_page, self._cached_len(SMALL)
+                r, self.running + self.busy, SMALL, small_page, self._cached_len(SMALL)
             ):
                 self.stats.held_back += 1
                 held.append(r)
@@ -308,12 +310,15 @@ class Scheduler:
         # each other. The oldest request is never preempted, so it always makes progress.
         self.admit_blocked = True
 
-    def make_room(self, side: ModelSide, batch: list[Request], kind: int) -> None:
-        """Evict cached KV, then preempt the newest requests, until the batch's tokens fit.
-        Raises WaitForMemory when only busy requests (the other model's forward) could give
-        memory back, MemoryError when nothing can."""
+    def make_room(
+        self, side: ModelSide, batch: list[Request], kind: int, ahead: Collection[int] = ()
+    ) -> None:
+        """Evict cached KV, then preempt the newest requests, until the batch's tokens fit
+        (ahead: ids of requests continuing an in-flight forward, one token each). Raises
+        WaitForMemory when only busy requests (a forward running now) could give memory back,
+        MemoryError when nothing can."""
         while batch:
-            need = tokens_needed(batch, kind)
+            need = tokens_needed(batch, kind, ahead)
             if side.pool.available >= need:
                 return
             side.evict(need - side.pool.available)
@@ -331,46 +336,72 @@ class Scheduler:
                 batch.remove(victim)
             self.preempt(victim)
 
-    def _prepare(self, batch: list[Request], kind: int) -> PreparedForward | None:
+    def _prepare(
+        self,
+        batch: list[Request],
+        kind: int,
+        after: PreparedForward | None = None,
+        ahead: dict[int, int] | None = None,
+    ) -> PreparedForward | None:
         """Attach, make room and allocate; the batch becomes busy. On an allocator or tree
-        error the batch fails (released), never leaks."""
+        error the batch fails (released), never leaks. ahead: id(request) -> its row in the
+        in-flight forward `after` it continues (those are busy already)."""
         side = self.sides[kind]
+        ahead = ahead or {}
         try:
             attach_all(batch, kind)
-            self.make_room(side, batch, kind)
+            self.make_room(side, batch, kind, ahead)
             if not batch:
                 return None
-            prep = prepare_forward(side, batch, kind)
+            source = None
+            if ahead:
+                source = np.fromiter((ahead.get(id(r), -1) for r in batch), np.int64, len(batch))
+            prep = prepare_forward(side, batch, kind, after, source)
         except WaitForMemory:
             raise
         except Exception as e:
             self.fail(batch, e)
             return None
-        for r in batch:
+        fresh = [r for r in batch if id(r) not in ahead]
+        for r in fresh:
             r.busy_model = kind
-        self.busy += batch
+        self.busy += fresh
         return prep
 
     # ------------------------------------------------------------ small model
 
-    def schedule_small(self) -> PreparedForward | None:
+    def schedule_small(self, after: PreparedForward | None = None) -> PreparedForward | None:
         """At most max_running ready requests, those that waited longest first. More are
         ready than the cap when requests back from a catch-up find their places refilled
         (admission fills max_admitted): the most recently stepped wait a step rather than
-        overfill the batch, so nobody waits more than about ready / max_running steps."""
+        overfill the batch, so nobody waits more than about ready / max_running steps.
+        after: the small step launched and not finished yet (overlap): its requests, which
+        stepped last, fill the places left and continue it with its drawn token (a request
+        whose drawn token is certainly its last does not); those it parks or ends are then
+        dropped from this step (PreparedForward.dropped)."""
         ready = sorted(
             (r for r in self.running if not r.busy),
             key=lambda r: (r.last_small_step, r.admit_order),
         )
-        batch = ready[: self.cfg.max_running]
+        cap = self.cfg.max_running
+        batch = ready[:cap]
+        ahead: dict[int, int] = {}
+        if after is not None:
+            live = after.live()
+            for i, r in enumerate(after.batch):
+                if len(batch) >= cap:
+                    break
+                if live[i] and r.num_generated + 1 < r.max_new_tokens:
+                    ahead[id(r)] = i
+                    batch.append(r)
         if not batch:
             return None
         chosen = {id(r) for r in batch}
         self.running = [r for r in self.running if id(r) not in chosen]
         try:
-            prep = self._prepare(batch, SMALL)
+            prep = self._prepare(batch, SMALL, after, ahead)
         except WaitForMemory:
-            self.running += batch
+            self.running += [r for r in batch if id(r) not in ahead]
             raise
         if prep is not None:
             for r in prep.batch:  # after a memory wait they keep their turn
@@ -384,32 +415,56 @@ class Scheduler:
 
     def finish_small(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:
         """Commit the KV, route, then per request: park (escalated), append its token, or
-        finish. Returns the escalated requests."""
+        finish. Returns the escalated requests. A request that continues in the step launched
+        after this one (overlap) stays busy there; one parked or ended here is dropped from
+        it."""
         st = self.stats
-        self._unbusy(prep.batch)
+        nxt, prep.successor = prep.successor, None
+        cont: dict[int, int] = {}  # id(request) -> its row in nxt
+        if nxt is not None and nxt.ahead is not None:
+            cont = {id(nxt.batch[i]): i for i in np.flatnonzero(nxt.ahead).tolist()}
+        live = prep.live()
+        done = [r for r, ok in zip(prep.batch, live, strict=True) if ok and id(r) not in cont]
+        self._unbusy(done)  # those continuing in nxt stay busy there
         parked: list[Request] = []
         try:
             prep.commit()
             st.steps += 1
-            st.small_tokens += prep.num_tokens
-            tok, escalate, failed = route_step(self.router, out, prep.batch)
+            q_lens = np.diff(prep.q_off)
+            st.small_tokens += int(q_lens[live].sum())
+            st.dropped_rows += len(live) - sum(live)
+            tokens, escalate, failed = route_step(self.router, out, prep.batch, prep.drawn)
+            prep.resolved = np.asarray(tokens, dtype=np.int64)
         except BaseException as e:
-            self.abandon(prep, e)
+            self.abandon(prep, e, live)
             if not isinstance(e, Exception):
                 raise
             return []
-        tokens = tok.tolist()
+
+        def leave_next(r: Request) -> None:
+            """r will not continue in nxt: its row there is dropped, it is not busy."""
+            row = cont.pop(id(r), None)
+            if row is not None and nxt is not None:
+                nxt.dropped.add(row)
+                self._unbusy([r])
 
         def step(i: int, r: Request) -> None:
-            if i in failed:  # its row could not be sampled: it ends alone, with that error
-                raise failed[i]
-            if escalate[i]:  # park: the small token is discarded and never fed
-                r.kv[SMALL].park(r.seq)
-                r.parked_at = now
-                parked.append(r)
-                st.escalations += 1
-            elif not self.commit_token(r, tokens[i], SMALL, now):
-                self.running.append(r)
+            if not live[i]:  # dropped from this step (parked or ended at the last one)
+                return
+            try:
+                if i in failed:  # its row could not be sampled: it ends alone, with that error
+                    raise failed[i]
+                if escalate[i]:  # park: the small token is discarded and never fed
+                    leave_next(r)
+                    r.kv[SMALL].park(r.seq)
+                    r.parked_at = now
+                    parked.append(r)
+                    st.escalations += 1
+                elif not self.commit_token(r, tokens[i], SMALL, now) and id(r) not in cont:
+                    self.running.append(r)
+            finally:
+                if r.finished_reason is not None:
+                    leave_next(r)
 
         try:
             self._each(prep.batch, step)
@@ -448,8 +503,9 @@ class Scheduler:
         self._unbusy(prep.batch)
         try:
             prep.commit()
-            drawn, failed = sample(out.logits, prep.batch)
-            tokens = drawn.tolist()
+            if prep.drawn is None:  # run() rather than launch(): drawn here
+                prep.drawn = draw(out.logits, prep.batch, prep.kv_lens)
+            tokens, failed = prep.drawn.resolve(prep.batch)
         except BaseException as e:
             self.abandon(prep, e)
             if not isinstance(e, Exception):
@@ -475,12 +531,21 @@ class Scheduler:
             raise
         return back
 
-    def abandon(self, prep: PreparedForward, error: BaseException) -> None:
+    def abandon(
+        self, prep: PreparedForward, error: BaseException, live: list[bool] | None = None
+    ) -> None:
         """A forward, its commit or its routing raised: new slots not yet committed go back and
-        the batch's requests fail (released)."""
-        self._unbusy(prep.batch)
+        the batch's live requests fail (released); rows dropped from it (overlap) belong to
+        requests that left it before and are not touched."""
+        live = prep.live() if live is None else live
+        rows = [r for r, ok in zip(prep.batch, live, strict=True) if ok]
+        self._unbusy(rows)
         prep.discard()
-        self.fail(prep.batch, error)
+        prep.successor = None  # the rows continued there end here: it commits none of them
+        if prep.after is not None and prep.after.successor is prep:
+            prep.after.successor = None  # nothing of it continues here
+        prep.after = None
+        self.fail(rows, error)
 
     def _unbusy(self, batch: Sequence[Request]) -> None:
         for r in batch:

@@ -4,6 +4,7 @@ sampling parameters, the caller's handle on it, and the engine's counters."""
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,8 @@ class SamplingParams:
     """temperature 0 (or below MIN_TEMPERATURE) is greedy (argmax); otherwise
     softmax((logits - max) / temperature) restricted to the top_p nucleus (the most likely
     tokens whose probabilities, before the last one, sum to less than top_p), drawn from a
-    generator seeded with `seed` (reproducible per request; None: a random seed).
+    uniform that is a hash of `seed` and the token's place (reproducible per request,
+    whatever the schedule; None: a random seed drawn once per request).
     Refused: temperature not a finite number in [0, MAX_TEMPERATURE] or top_p outside (0, 1]
     (ValueError), seed not an int (TypeError) or outside [0, MAX_SEED] (ValueError)."""
 
@@ -101,7 +103,7 @@ class Request:
         self.kv: list[KVHandle] = []
         self.sampling = sampling
         self.stop_token_ids = stop_token_ids
-        self.generator: Any = None  # torch.Generator, made on the first sampled token
+        self._own_seed: int | None = None  # seed=None: drawn once, on first use
         self.parked_at = 0.0  # engine clock (threaded driver: its wall clock)
         self.parked_step = 0  # small steps so far when parked (event loop)
         self.admit_order = -1
@@ -131,6 +133,15 @@ class Request:
     def busy(self) -> bool:
         """Inside a forward that is running now: nobody else preempts or touches it."""
         return self.busy_model != -1
+
+    @property
+    def seed(self) -> int:
+        """The sampling seed: SamplingParams.seed, or one drawn for this request once."""
+        if self.sampling.seed is not None:
+            return self.sampling.seed
+        if self._own_seed is None:
+            self._own_seed = secrets.randbits(63)
+        return self._own_seed
 
     @property
     def num_generated(self) -> int:
@@ -260,7 +271,13 @@ class Stats:
     host_s: float = 0.0
     small_host_s: float = 0.0
     small_device_s: float = 0.0
+    # Engine clock time the small model's device waits for the host: all its host time
+    # without overlap, the launches that came late with it (GPU idle).
+    device_idle_s: float = 0.0
     small_tokens: int = 0  # tokens the small model computed (prefills, catch-ups and decodes)
+    # Overlap: rows a small step computed for a request the step before parked or ended
+    # (dropped, not committed; not in small_tokens)
+    dropped_rows: int = 0
     held_back: int = 0  # admissions delayed a step so a shared prefix is prefilled once
     large_held_back: int = 0  # first catch-ups held a batch so a shared prefix is prefilled once
     modeled_s: float = 0.0  # engine clock: measured, step units or the GPU cost model

@@ -24,7 +24,6 @@ import torch
 
 from .batch import PreparedForward
 from .scheduler import WaitForMemory
-from .state import Request
 
 if TYPE_CHECKING:
     from .engine import RoutedEngine
@@ -46,6 +45,7 @@ class ThreadedDriver:
         self.own_device = large_dev != eng.small.model.device
         if large_dev.type == "cuda" and not self.own_device:
             self.streams[1] = torch.cuda.Stream(device=large_dev)  # type: ignore[no-untyped-call]
+        self.pending: PreparedForward | None = None  # the small step launched, not finished
         self.threads = [
             threading.Thread(target=self._guard, args=(self._small,), name="tokencache-small"),
             threading.Thread(target=self._guard, args=(self._large,), name="tokencache-large"),
@@ -81,6 +81,9 @@ class ThreadedDriver:
             with self.cv:
                 self.stop = True
                 s = self.sched
+                pending, self.pending = self.pending, None
+                if pending is not None:  # its new slots back; its requests fail below
+                    pending.discard()
                 s.fail(s.active() + list(s.waiting), e)
                 touched = s.take_touched()
                 self.cv.notify_all()
@@ -96,17 +99,18 @@ class ThreadedDriver:
         finally:
             self.cv.acquire()
 
-    def _run(self, prep: PreparedForward, kind: int) -> tuple[object, float] | None:
-        """The forward, outside the lock; on an error its requests fail and free their KV."""
+    def _run(self, prep: PreparedForward, kind: int) -> float | None:
+        """Launches the forward (its tokens drawn on the device) outside the lock; returns its
+        measured time, or None when it raised (its requests failed and freed their KV)."""
         self.cv.release()
         try:
             stream = self.streams[kind]
             if stream is None:
-                return prep.run()
+                return prep.launch()
             with torch.cuda.stream(stream):
-                out = prep.run()
+                dt = prep.launch()
             stream.synchronize()
-            return out
+            return dt
         except BaseException as e:
             error = e
         finally:
@@ -117,37 +121,62 @@ class ThreadedDriver:
         return None
 
     def _small(self) -> None:
+        """Schedule, launch, finish. With overlap the next step is scheduled and launched
+        before the previous one is finished (`pending`): on CUDA the host prepares it while
+        the device still runs the previous step."""
         eng, s = self.eng, self.sched
         with self.cv:
             while not self.stop:
                 eng.intake()
                 s.apply_aborts()
                 s.admit()
+                pending = self.pending
                 try:
-                    prep = s.schedule_small()
+                    prep = s.schedule_small(pending if eng.overlap else None)
                 except WaitForMemory:
                     prep = None
                 if prep is None:
+                    if pending is not None:  # nothing new: finish the pending step
+                        self._finish_pending()
+                        continue
                     self._notify()
                     idle = not s.has_work() and not eng.has_submissions()
                     if idle and (eng.closed or self._exit_when_idle()):
                         break
                     self.cv.wait(_POLL_S)
                     continue
-                res = self._run(prep, 0)
-                if res is not None:
-                    out, dt = res
+                dt = self._run(prep, 0)
+                # The new step is pending before the old one is finished: whatever raises
+                # there, _guard still finds it.
+                self.pending = prep if dt is not None else None
+                if pending is not None:
+                    self._finish(pending)
+                if dt is not None:
                     s.stats.small_forward_s += dt
-                    now = eng.now()
-                    for r in s.finish_small(prep, out, now):  # type: ignore[arg-type]
-                        r.parked_at = now
-                    # Refill parked places before the large worker looks for holes.
-                    eng.intake()
-                    s.admit()
+                    if not eng.overlap:
+                        self._finish_pending()
                 self._publish_stats()
                 self._notify()
+            if self.pending is not None:
+                self._finish_pending()
             self.stop = True
             self.cv.notify_all()
+
+    def _finish_pending(self) -> None:
+        prep, self.pending = self.pending, None
+        if prep is not None:  # (None: discarded meanwhile by a failing worker, _guard)
+            self._finish(prep)
+
+    def _finish(self, prep: PreparedForward) -> None:
+        """Finish a launched small step (a sync on its tokens) and hand out its results."""
+        eng, s = self.eng, self.sched
+        assert prep.out is not None
+        now = eng.now()
+        for r in s.finish_small(prep, prep.out, now):
+            r.parked_at = now
+        # Refill parked places before the large worker looks for holes.
+        eng.intake()
+        s.admit()
 
     def _exit_when_idle(self) -> bool:
         self.cv.release()
@@ -179,12 +208,11 @@ class ThreadedDriver:
                 if prep is None:
                     self._notify()
                     continue
-                res = self._run(prep, 1)
-                if res is not None:
-                    out, dt = res
+                dt = self._run(prep, 1)
+                if dt is not None:
+                    assert prep.out is not None
                     s.stats.large_forward_s += dt
-                    back: list[Request] = s.finish_large(prep, out, eng.now())  # type: ignore[arg-type]
-                    s.running += back
+                    s.running += s.finish_large(prep, prep.out, eng.now())
                 self._publish_stats()
                 self._notify()
 

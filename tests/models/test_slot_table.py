@@ -124,3 +124,31 @@ def test_one_prompt_gives_one_group_and_decoding_compares_nothing_new() -> None:
         for i, r in enumerate(rows.tolist()):
             t.write(r, 502 + step, np.array([20_000 + 100 * i + step]))
         assert t.prefix_groups(rows, caps + 1 + step) == [g]
+
+
+def test_a_patched_entry_is_checked_again_and_cuts_back_its_reference() -> None:
+    """Overlap: a step's facts are checked before the previous step's commit, which may patch
+    a just-written entry to the cache's slot and free the replaced one. Once that slot is
+    reused at the same place by a row on the same reference, no group may claim it."""
+    t = SlotTable(rows=4, width=64, scratch_slot=SCRATCH)
+    prompt = np.arange(100, 120)
+    owner, other = t.acquire(), t.acquire()
+    t.write(owner, 0, np.concatenate((prompt, [500])))  # 500: written, not committed yet
+    t.write(other, 0, prompt)
+    caps = np.array([21, 20])
+    assert t.prefix_groups(np.array([owner, other]), caps, min_len=4)  # facts checked to 21
+    t.patch(np.array([owner]), np.array([20]), np.array([900]))  # the cache held it: 900
+    t.write(other, 20, np.array([500, 501]))  # 500 reused at the same place by the other row
+    got = t.prefix_groups(np.array([owner, other]), np.array([21, 22]), min_len=4)
+    for g in got:  # a claim past 20 would have the kernel read 900 for the other row's 500
+        assert g.length <= 20
+    # Unpatched, the stale reference made the same layout claim 21 slots.
+    t2 = SlotTable(rows=4, width=64, scratch_slot=SCRATCH)
+    a, b = t2.acquire(), t2.acquire()
+    t2.write(a, 0, np.concatenate((prompt, [500])))
+    t2.write(b, 0, prompt)
+    t2.prefix_groups(np.array([a, b]), caps, min_len=4)
+    t2.scatter(np.array([a]), np.array([20]), np.array([900]))
+    t2.write(b, 20, np.array([500, 501]))
+    stale = t2.prefix_groups(np.array([a, b]), np.array([21, 22]), min_len=4)
+    assert max(g.length for g in stale) == 21

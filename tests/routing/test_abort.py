@@ -95,7 +95,8 @@ def test_abort_mid_decode(pair: Any, dispatch: str, mode: str) -> None:
 def test_abort_while_parked(pair: Any, dispatch: str) -> None:
     router = ScriptedRouter({1: [3], 2: [1]})
     prompts = make_prompts(4, seed=52, shared=5)
-    sched = SchedulerConfig(min_large_batch=10, max_wait_steps=100)
+    # Parked until 10 are or 100 steps pass, whatever holes it leaves (min_occupancy 0).
+    sched = SchedulerConfig(min_large_batch=10, max_wait_steps=100, min_occupancy=0)
     eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, scheduler=sched)
     seen: list[bool] = []
 

@@ -50,7 +50,8 @@ def test_naive_reprefills_the_partial_page_on_every_return(
     prompts = distinct_prompts(6, seed=41)
 
     def run(d: str) -> Any:
-        eng = RoutedEngine(*pair, router, 2048, dispatch=d, page_size=page_size)
+        # tokencache without overlap: the naive dispatchers' schedule (they have none)
+        eng = RoutedEngine(*pair, router, 2048, dispatch=d, page_size=page_size, overlap=False)
         res = eng.generate(prompts, 16)
         check_idle(eng)
         return res

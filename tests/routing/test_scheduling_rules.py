@@ -53,9 +53,9 @@ class Watch:
         if len(self.s.active()) > cfg.max_admitted:
             self.violations.append(f"{len(self.s.active())} admitted > {cfg.max_admitted}")
 
-    def make_room(self, side: Any, batch: list[Any], kind: int) -> None:
+    def make_room(self, side: Any, batch: list[Any], kind: int, ahead: Any = ()) -> None:
         self._batch = batch
-        self._make_room(side, batch, kind)
+        self._make_room(side, batch, kind, ahead)
 
     def preempt(self, r: Any) -> None:
         s = self.s
@@ -110,8 +110,9 @@ def test_wait_between_two_tokens_is_bounded(pair: Any, topology: str) -> None:
     handles = [eng.submit(p, 24, route_key=i) for i, p in enumerate(prompts)]
     assert all(h.wait(120) for h in handles)
     gaps = [b - a for h in handles for a, b in itertools.pairwise(h.token_times)]
-    # 8 ready for 4 places: two small steps, a catch-up (cost 1) and the step that rejoins.
-    assert max(gaps) <= 5, max(gaps)
+    # 8 ready for 4 places: two small steps, a catch-up (cost 1) and the step that rejoins;
+    # with overlap one more, the step launched before the escalation was known (dropped).
+    assert eng.overlap and max(gaps) <= 6, max(gaps)
     exact(pair, router, prompts, handles)
 
 
