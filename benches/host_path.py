@@ -46,6 +46,7 @@ from tokencache_models import (  # noqa: E402
     DecodeGraphRunner,
     ForwardOutput,
     ModelConfig,
+    ModelExecutor,
     PreparedStep,
     random_model,
 )
@@ -78,18 +79,19 @@ def stub_device(model: CausalLM, runner: str) -> CausalLM:
     model.execute = types.MethodType(execute, model)  # type: ignore[method-assign]
     if runner == "gpu":
         model.attention_backend_name = "triton"  # its host plan: the shared-prefix tables
-        model.decode_padding = True
+        executor = model.executor
+        executor.decode_padding = True
         runners: dict[int, DecodeGraphRunner] = {}
 
-        def graph_runner(self: CausalLM, pool: Any, backend: Any) -> DecodeGraphRunner:
+        def graph_runner(self: ModelExecutor, pool: Any, backend: Any) -> DecodeGraphRunner:
             key = id(pool)
             if key not in runners:
                 runners[key] = DecodeGraphRunner(
-                    self, pool, backend, self.decode_buckets, use_graphs=False
+                    model, pool, backend, self.decode_buckets, use_graphs=False
                 )
             return runners[key]
 
-        model.graph_runner = types.MethodType(graph_runner, model)  # type: ignore[method-assign]
+        executor.graph_runner = types.MethodType(graph_runner, executor)  # type: ignore[method-assign]
     return model
 
 

@@ -162,7 +162,9 @@ def one_layer(name: str, dtype: torch.dtype) -> CausalLM:
     config = dataclasses.replace(PRESETS[name], num_hidden_layers=1, vocab_size=256)
     model = random_model(config, dtype=dtype, attention_backend="triton")
     model.fused = True
-    model.decode_graphs = False  # graph replay launches the same kernels (padded batch buckets)
+    model.executor.decode_graphs = (
+        False  # graph replay launches the same kernels (padded batch buckets)
+    )
     return model
 
 

@@ -218,12 +218,16 @@ class Paths:
         self.static = None
         if not cuda:
             b = model.attention(fast)
-            self.static = DecodeGraphRunner(model, pool, b, model.decode_buckets, use_graphs=False)
+            self.static = DecodeGraphRunner(
+                model, pool, b, model.executor.decode_buckets, use_graphs=False
+            )
 
     def runner(self) -> DecodeGraphRunner | None:
         if self.static is not None:
             return self.static
-        return self.model.graph_runner(self.pool, self.model.attention(self.backend["graphs"]))
+        return self.model.executor.graph_runner(
+            self.pool, self.model.attention(self.backend["graphs"])
+        )
 
     def call(self, path: str, batch: ForwardBatch) -> Callable[[], Any]:
         model, pool = self.model, self.pool
@@ -238,13 +242,13 @@ class Paths:
         shares = attention.shares_prefix
 
         def run() -> Any:
-            model.decode_graphs = path.startswith("graphs")
+            model.executor.decode_graphs = path.startswith("graphs")
             model.fused = False if path == "unfused" else None
             attention.shares_prefix = shares and path != "graphs-per-row"
             try:
                 return model(batch, pool, backend)
             finally:
-                model.decode_graphs = False
+                model.executor.decode_graphs = False
                 model.fused = None
                 attention.shares_prefix = shares
 
@@ -272,7 +276,7 @@ def check_graphs_vs_eager(
     token agrees (each path feeds back its own tokens). shared: request i's prompt starts with
     the `shared` tokens of system prompt i % systems, whose slots its requests read."""
     model = random_model(config, device, torch.float32, seed=1, std=0.05)
-    model.decode_graphs = False
+    model.executor.decode_graphs = False
     g = torch.Generator().manual_seed(0)
     own = prompt - shared
     system = [torch.randint(0, config.vocab_size, (shared,), generator=g) for _ in range(systems)]
@@ -387,7 +391,7 @@ def bench_model(
         + [k * (ctx - own) + b * own for b, ctx, own, k in shared_specs]
     )
     model = random_model(config, device, dtype, seed=0)
-    model.decode_graphs = False
+    model.executor.decode_graphs = False
     pool = KVPool.for_config(config, need, device, dtype)
     pool.k_store.normal_()
     pool.v_store.normal_()

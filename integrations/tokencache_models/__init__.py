@@ -16,7 +16,8 @@ from .config import (
     ModelConfig,
     UnsupportedConfigError,
 )
-from .context import DeferredTokens, ForwardContext, HostBatch, shared_prefix_len
+from .context import DeferredTokens, ForwardContext, ForwardOutput, HostBatch, shared_prefix_len
+from .executor import ModelExecutor, PreparedStep
 from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool, SlotAllocator
 from .loader import (
@@ -31,7 +32,7 @@ from .loader import (
     random_model,
     truncate_model,
 )
-from .model import CausalLM, ForwardOutput, PreparedStep
+from .model import CausalLM
 from .prefix_groups import (
     MAX_PREFIX_GROUPS,
     PrefixGroup,
@@ -63,6 +64,7 @@ __all__ = [
     "HostBatch",
     "KVPool",
     "ModelConfig",
+    "ModelExecutor",
     "PrefixGroup",
     "PrefixShape",
     "PreparedStep",

@@ -1,20 +1,22 @@
 """Paged attention over KV-pool slots: a portable torch path and Triton GPU kernels.
 
 A backend is built once per model. Per forward it gets two calls before the layers run:
-plan(host_batch) (host-side tables from numpy, only for what cannot be built on the device
-without reading it back) and prepare(ctx) (device-side tables, launched without any host sync).
-Every layer then calls forward(q, k_cache, v_cache, ctx, scale).
+plan(host_batch) (a HostPlan: host-side tables from numpy, only for what cannot be built on the
+device without reading it back; its arrays travel in the context's one copy) and prepare(ctx)
+(AttnTables: device-side tables, launched without any host sync). Every layer then calls
+forward(q, k_cache, v_cache, ctx, attn, scale). Neither the context nor the tables change
+once built.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .context import ForwardContext, HostBatch
+from .context import ForwardContext, HostBatch, HostPlan
 
 # A torch multi-token group is padded to [n, Qmax, Lmax]; a request joins the current group
 # while the padded work stays within this factor of the real work (plus a small constant).
@@ -44,6 +46,29 @@ def plan_groups(q_lens: np.ndarray, kv_lens: np.ndarray) -> list[np.ndarray]:
     return [np.asarray(g, dtype=np.int64) for g in groups]
 
 
+@dataclass(frozen=True)
+class TokenGroup:
+    """One padded [n, Qmax, Lmax] group of a multi-token batch on the torch path."""
+
+    q_idx: torch.Tensor  # [n * Qmax] flat query token of each padded query row
+    slots: torch.Tensor  # [n, Lmax] slot ids (the scratch slot past each row's length)
+    mask: torch.Tensor  # [n, 1, Qmax, Lmax] bottom-right causal and valid
+    q_max: int
+
+
+@dataclass(frozen=True)
+class AttnTables:
+    """A backend's per-forward device tables (prepare), read by every layer. The torch path:
+    decode batches one [B, W] slot gather and its mask; multi-token batches one TokenGroup per
+    padded group and each token's row in their concatenated outputs. The Triton kernels read
+    the context itself: empty."""
+
+    slots: torch.Tensor | None = None  # decode: [B, W]
+    mask: torch.Tensor | None = None  # decode: [B, 1, 1, W]
+    groups: tuple[TokenGroup, ...] = ()
+    rows: torch.Tensor | None = None  # [T] row of token t in the groups' outputs
+
+
 def _padded_slots(
     ctx: ForwardContext, starts: torch.Tensor, lens: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +91,10 @@ class TorchPagedAttention:
     name = "torch"
     shares_prefix = False  # the reference path: every row reads its whole slot list
 
-    def plan(self, hb: HostBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
+    def plan(self, hb: HostBatch) -> HostPlan:
         q_lens, kv_lens = hb.q_lens, hb.kv_lens
         if bool((q_lens == 1).all()):
-            return {}, []
+            return HostPlan()
         groups = plan_groups(q_lens, kv_lens)
         dims: list[tuple[int, int, int]] = []
         arrays: list[np.ndarray] = []
@@ -88,17 +113,17 @@ class TorchPagedAttention:
         req_of_token = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
         within = np.arange(int(q_off[-1]), dtype=np.int64) - q_off[req_of_token]
         arrays.append(first_row[req_of_token] + within)
-        return {"groups": dims}, arrays
+        return HostPlan(tuple(dims), tuple(arrays))
 
-    def prepare(self, ctx: ForwardContext) -> dict[str, Any]:
+    def prepare(self, ctx: ForwardContext) -> AttnTables:
         kv_starts, kv_lens = ctx.kv_starts, ctx.kv_lens
         if ctx.is_decode:
             slots, valid = _padded_slots(ctx, kv_starts, kv_lens, ctx.kv_width)
-            return {"slots": slots, "mask": valid[:, None, None, :]}
+            return AttnTables(slots=slots, mask=valid[:, None, None, :])
         q_lens = ctx.q_offsets.diff()
-        arrays = ctx.host["arrays"]
+        arrays = ctx.plan_arrays
         groups = []
-        for gi, (_, qm, lm) in enumerate(ctx.host["groups"]):
+        for gi, (_, qm, lm) in enumerate(ctx.plan_groups):
             req, q_idx = arrays[2 * gi], arrays[2 * gi + 1]
             lens, qn = kv_lens[req], q_lens[req]
             slots, valid = _padded_slots(ctx, kv_starts[req], lens, lm)
@@ -107,8 +132,8 @@ class TorchPagedAttention:
             cols = torch.arange(lm, device=ctx.device)
             limit = (lens - qn)[:, None, None] + rows[None, :, None]
             mask = valid[:, None, :] & (cols[None, None, :] <= limit)
-            groups.append((q_idx, slots, mask[:, None], qm))
-        return {"groups": groups, "rows": arrays[-1]}
+            groups.append(TokenGroup(q_idx, slots, mask[:, None], qm))
+        return AttnTables(groups=tuple(groups), rows=arrays[-1])
 
     def forward(
         self,
@@ -116,20 +141,21 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         ctx: ForwardContext,
+        attn: AttnTables,
         scale: float,
     ) -> torch.Tensor:
-        """q: [T, H, D]; k_cache/v_cache: one pool layer, [slots, KVH, D]. Returns [T, H, D]."""
-        meta = ctx.attn
+        """q: [T, H, D]; k_cache/v_cache: one pool layer, [slots, KVH, D]; attn: this
+        forward's prepare(ctx). Returns [T, H, D]."""
         if ctx.is_decode:
-            return self._sdpa(q[:, None], k_cache, v_cache, meta["slots"], meta["mask"], scale)[
-                :, 0
-            ]
+            assert attn.slots is not None and attn.mask is not None
+            return self._sdpa(q[:, None], k_cache, v_cache, attn.slots, attn.mask, scale)[:, 0]
+        assert attn.rows is not None
         outs = []
-        for q_idx, slots, mask, qm in meta["groups"]:
-            qg = q.index_select(0, q_idx).view(-1, qm, q.shape[1], q.shape[2])  # [n, Qmax, H, D]
-            outs.append(self._sdpa(qg, k_cache, v_cache, slots, mask, scale).flatten(0, 1))
+        for g in attn.groups:
+            qg = q.index_select(0, g.q_idx).view(-1, g.q_max, q.shape[1], q.shape[2])
+            outs.append(self._sdpa(qg, k_cache, v_cache, g.slots, g.mask, scale).flatten(0, 1))
         flat = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return flat.index_select(0, meta["rows"])
+        return flat.index_select(0, attn.rows)
 
     @staticmethod
     def _sdpa(
@@ -161,11 +187,11 @@ class TritonPagedAttention(TorchPagedAttention):
     def __init__(self, shared_prefix: bool = True) -> None:
         self.shares_prefix = shared_prefix
 
-    def plan(self, hb: HostBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
-        return {}, []
+    def plan(self, hb: HostBatch) -> HostPlan:
+        return HostPlan()
 
-    def prepare(self, ctx: ForwardContext) -> dict[str, Any]:
-        return {}
+    def prepare(self, ctx: ForwardContext) -> AttnTables:
+        return AttnTables()
 
     def forward(
         self,
@@ -173,6 +199,7 @@ class TritonPagedAttention(TorchPagedAttention):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         ctx: ForwardContext,
+        attn: AttnTables,
         scale: float,
     ) -> torch.Tensor:
         # Deferred imports: CPU-only users never load triton.

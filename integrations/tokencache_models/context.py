@@ -10,9 +10,9 @@ needs to read device memory back on the host.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,7 +22,6 @@ from .prefix_groups import PrefixGroup, groups_over_rows, paying_groups, prefix_
 from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 
 if TYPE_CHECKING:
-    from .kv_pool import KVPool
     from .slot_table import SlotTable
 
 # Batch sizes a padded decode batch is rounded up to (and the CUDA graphs captured for them).
@@ -324,12 +323,30 @@ class SharedPrefix:
     longest: int | None = None  # the longest group prefix
 
 
+@dataclass(frozen=True)
+class HostPlan:
+    """An attention backend's host plan of one forward (backend.plan): the facts it derived on
+    the host and the int64 arrays that travel with the batch in the context's one copy."""
+
+    # The torch path's padded groups of a multi-token batch: (rows, Qmax, Lmax) each.
+    groups: tuple[tuple[int, int, int], ...] = ()
+    arrays: tuple[np.ndarray, ...] = ()
+
+
 @dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, vocab] next-token logits after each request's last new token
+    hidden: torch.Tensor  # [B, hidden] final-norm output of each request's last new token
+
+
+@dataclass(frozen=True)
 class ForwardContext:
     """One forward's batch layout on the model device plus the host facts derived from it.
 
     Rows [0, num_real) are the caller's requests; rows beyond are padding (decode buckets).
-    `attn` holds the attention backend's own tables (built by backend.prepare, device-only).
+    Built once (build, or a graph runner's static buffers) and never changed: what a forward
+    derives from it on the device (the backend's tables, RoPE) is a separate frozen object
+    made before the first layer (model.LayerContext).
     """
 
     num_requests: int  # rows, padding included
@@ -353,14 +370,9 @@ class ForwardContext:
     # Shared-prefix attention (None: off): groups of rows whose common slot-list prefix is
     # read once per tile instead of once per row.
     prefix: SharedPrefix | None = None
-    attn: Any = None  # the backend's per-forward tables (backend.prepare)
-    backend: Any = None  # the model's attention backend (TorchPagedAttention or a subclass)
-    pool: KVPool | None = None
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-    fused: bool = False  # run the Triton fusions (fused.py) instead of the torch op chains
-    inv_freq: torch.Tensor | None = None  # rotary inverse frequencies (fused RoPE)
-    host: dict[str, Any] = field(default_factory=dict)  # backend host plans, read before kernels
+    # The attention backend's host plan (HostPlan.groups) and its arrays, moved in the one copy.
+    plan_groups: tuple[tuple[int, int, int], ...] = ()
+    plan_arrays: tuple[torch.Tensor, ...] = ()
 
     @property
     def device(self) -> torch.device:
@@ -372,16 +384,16 @@ class ForwardContext:
         batch: ForwardBatch | HostBatch,
         device: torch.device,
         scratch_slot: int,
-        plan: Any = None,
+        plan: Callable[[HostBatch], HostPlan] | None = None,
         pad_rows_to: int | None = None,
         shared_prefix: PrefixShape | None = None,
     ) -> ForwardContext:
         """Host work first (lengths, maxima, padding, the backend's host plan), then one copy.
 
-        plan(host_batch) -> (dict of host facts, list of extra int64 arrays to move) lets the
-        attention backend precompute its host-side tables; the moved arrays land in
-        ctx.host["arrays"] in the same order. shared_prefix: the attention shape of a backend
-        that reads shared slot-list prefixes once (HostBatch.prefix_groups); None: it does not.
+        plan(host_batch) -> HostPlan lets the attention backend precompute its host-side
+        tables; its arrays land in ctx.plan_arrays in the same order. shared_prefix: the
+        attention shape of a backend that reads shared slot-list prefixes once
+        (HostBatch.prefix_groups); None: it does not.
         """
         hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
         if pad_rows_to is not None:
@@ -389,10 +401,8 @@ class ForwardContext:
         q_lens, kv_lens = hb.q_lens, hb.kv_lens
         is_decode = hb.is_decode
         max_kv = int(kv_lens.max())
-        facts: dict[str, Any] = {}
-        extra: list[np.ndarray] = []
-        if plan is not None:
-            facts, extra = plan(hb)
+        host_plan = plan(hb) if plan is not None else HostPlan()
+        extra = list(host_plan.arrays)
         base = [
             hb.token_ids,
             hb.positions,
@@ -417,9 +427,8 @@ class ForwardContext:
         if deferred is not None:
             deferred.check_device(device)
             late = [deferred.index, deferred.dest]  # in the same one copy
-        moved = to_device(base + tables + list(extra) + late, device)
+        moved = to_device(base + tables + extra + late, device)
         at = len(base) + len(tables)
-        facts["arrays"] = moved[at : at + len(extra)]
         token_ids = moved[0]
         if deferred is not None:
             # token_ids[dest] = source[index], on the device and out of place (on the CPU
@@ -463,5 +472,6 @@ class ForwardContext:
             scratch_slot=scratch_slot,
             kv_total=int(kv_lens.sum()),
             prefix=prefix,
-            host=facts,
+            plan_groups=host_plan.groups,
+            plan_arrays=tuple(moved[at : at + len(extra)]),
         )

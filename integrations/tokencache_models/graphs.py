@@ -21,7 +21,7 @@ import dataclasses
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import torch
 from .context import (
     KV_CHUNK,
     ForwardContext,
+    ForwardOutput,
     HostBatch,
     SharedPrefix,
     decode_bucket,
@@ -40,11 +41,27 @@ from .prefix_plan import PrefixShape
 
 if TYPE_CHECKING:
     from .attention import TorchPagedAttention
+    from .config import ModelConfig
     from .kv_pool import KVPool
-    from .model import CausalLM, ForwardOutput
     from .slot_table import SlotTable
 
 DEFAULT_KV_CAPACITY = 256 * 8192  # slot-list entries of one decode step (shared ones count)
+
+
+class ForwardBody(Protocol):
+    """What a graph runner needs of the network (model.CausalLM): its device, the shapes this
+    rank computes, and the forward body it captures and replays (device work only). The runner
+    never chooses a path or builds runners: the executor (executor.ModelExecutor) does."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def shard_config(self) -> ModelConfig: ...
+
+    def run(
+        self, ctx: ForwardContext, pool: KVPool, backend: TorchPagedAttention
+    ) -> ForwardOutput: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +75,7 @@ class StaticStep:
 class DecodeGraphRunner:
     def __init__(
         self,
-        model: CausalLM,
+        model: ForwardBody,
         pool: KVPool,
         backend: TorchPagedAttention,
         buckets: Sequence[int],
@@ -67,8 +84,9 @@ class DecodeGraphRunner:
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError("buckets must be a non-empty list of positive batch sizes")
-        # The pool owns its runners (KVPool.graph_runners); a weak reference back keeps the
-        # pool, the graphs and their memory freeable together when the caller drops the pool.
+        # The executor keeps its runners by pool, weakly (ModelExecutor); a weak reference back
+        # keeps the pool, the graphs and their memory freeable together when the caller drops
+        # the pool.
         self._pool = weakref.ref(pool)
         self.model, self.backend = model, backend
         # This rank's shapes (a tensor-parallel shard holds its own heads).
@@ -290,7 +308,7 @@ class DecodeGraphRunner:
             graph.replay()
             self.replays += 1
         else:
-            out = self.model.forward_context(
+            out = self.model.run(
                 self.static_context(rows, width, n, source), self.pool, self.backend
             )
         b = step.num_real
@@ -318,14 +336,14 @@ class DecodeGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         ctx_args = (rows, width, groups, source)  # the prefix tables are in their buffers
         with torch.cuda.stream(stream):
-            model.forward_context(self.static_context(*ctx_args), pool, backend)
+            model.run(self.static_context(*ctx_args), pool, backend)
         torch.cuda.current_stream().wait_stream(stream)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the routing engine's threaded mode runs the other model meanwhile.
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            out = model.forward_context(self.static_context(*ctx_args), pool, backend)
+            out = model.run(self.static_context(*ctx_args), pool, backend)
         entry = (graph, out)
         self._graphs[self._key(rows, width, groups, source)] = entry
         return entry

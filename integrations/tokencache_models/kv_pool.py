@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -98,8 +96,6 @@ class KVPool:
         self.k = self.k_store[:, :num_slots]  # the public [layers, slots, kv_heads, head_dim]
         self.v = self.v_store[:, :num_slots]
         self.allocator = SlotAllocator(num_slots)
-        # CUDA-graph decode runners over this pool, by (model id, backend name); see graphs.py.
-        self.graph_runners: dict[tuple[int, str], Any] = {}
 
     @classmethod
     def for_config(

@@ -5,8 +5,8 @@ cursors and slot table stay there (slot ids mean the same on every rank). Each f
 compact metadata (the HostBatch's O(batch + new tokens) arrays, and for a slot-table forward the
 table entries written since the last one) goes to the workers over a gloo group of its own
 (host arrays, and an order independent of the forward's collectives), when the engine runs the
-step (CausalLM.execute); the workers rebuild the HostBatch over their mirror of the slot table
-and run the same prepare / execute on their shard, meeting rank 0 in its all-reduces.
+step (ModelExecutor.execute); the workers rebuild the HostBatch over their mirror of the slot
+table and run the same prepare / execute on their shard, meeting rank 0 in its all-reduces.
 
 A worker that dies ends the engine's next (or current) forward with TPWorkerLost within
 the group's timeout (gloo notices a closed peer at once); a worker whose engine dies exits.
@@ -160,7 +160,7 @@ def _decode_groups(enc: np.ndarray) -> list[PrefixGroup]:
 def encode_forward(hb: HostBatch, pool_id: int, backend: str, seq: int) -> Payload:
     """The worker's copy of a forward: O(batch + new tokens), plus the slot table's writes since
     the last forward (the whole table only when its storage moved)."""
-    if hb.deferred is not None:  # CausalLM.prepare refuses them first; the wire has no room
+    if hb.deferred is not None:  # ModelExecutor.prepare refuses them first; no room on the wire
         raise ValueError("DeferredTokens are not supported on a tensor-parallel model")
     header = np.zeros(HEADER, np.int64)
     t, b = len(hb.token_ids), hb.num_requests
@@ -428,7 +428,8 @@ def serve_worker(model: CausalLM, meta: Any) -> None:
             dist.broadcast(body, src=0, group=meta)
         pool = pools[int(h[1])]
         hb = decode_forward(h, body.numpy(), tables, pool)
-        model.execute(model.prepare(hb, pool, BACKENDS[int(h[2])]))
+        executor = model.executor
+        executor.execute(executor.prepare(hb, pool, BACKENDS[int(h[2])]))
 
 
 # -- starting the group ----------------------------------------------------------------------
@@ -527,7 +528,8 @@ def launch(
 ) -> CausalLM:
     """Spawns world - 1 worker ranks and returns rank 0's shard driving them (the model the
     engine uses). devices[r]: rank r's device (default: cuda:r on CUDA, else cpu). configure:
-    applied to every rank's shard (switches such as decode_padding must agree on all ranks).
+    applied to every rank's shard (switches such as model.executor.decode_padding must agree on
+    all ranks).
     End with model.tp.shutdown()."""
     import multiprocessing as mp
 

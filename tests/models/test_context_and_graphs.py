@@ -116,7 +116,7 @@ def test_forward_body_never_reads_the_device(kind: str) -> None:
         batch = ForwardBatch.from_requests(
             [[1], [2], [3]], [a[:-1], b[:-1], c[:-1]], [a[-1:], b[-1:], c[-1:]]
         )
-    model.decode_padding = kind != "decode"
+    model.executor.decode_padding = kind != "decode"
     if kind == "static":
         runner = DecodeGraphRunner(model, pool, model.attention(), (1, 2, 4), use_graphs=False)
         out = runner.run(HostBatch.from_batch(batch))
@@ -163,11 +163,13 @@ def test_static_padded_decode_equals_eager_bit_for_bit(n_requests: int) -> None:
     buffers, padding rows on the scratch slot) agree exactly in fp32, steps after step, and
     leave identical pools; the only piece not run here is torch.cuda.graph capture/replay."""
     model = _model()
-    model.decode_padding = True
+    model.executor.decode_padding = True
     prompts = _prompts([(23 * i) % 120 + 1 for i in range(n_requests)], seed=n_requests)
     pool_e, pool_s = model.make_kv_pool(2048), model.make_kv_pool(2048)
     slots_e, slots_s = _prefill(model, pool_e, prompts), _prefill(model, pool_s, prompts)
-    runner = DecodeGraphRunner(model, pool_s, model.attention(), model.decode_buckets, 4096, False)
+    runner = DecodeGraphRunner(
+        model, pool_s, model.attention(), model.executor.decode_buckets, 4096, False
+    )
     tokens = [p[-1] for p in prompts]
     for _ in range(24):  # contexts cross the 64- and 128-wide gather widths
         be, slots_e = _decode_batch(pool_e, slots_e, tokens)
@@ -185,7 +187,7 @@ def test_static_decode_close_to_unpadded_eager() -> None:
     # CPU default: eager decode is not padded; fp32 GEMMs of 3 and of 4 rows may round
     # differently, so only closeness and the greedy tokens are exact here.
     model = _model()
-    assert not model.pads_decode()
+    assert not model.executor.pads_decode()
     prompts = _prompts([5, 40, 77], seed=9)
     pool_e, pool_s = model.make_kv_pool(512), model.make_kv_pool(512)
     slots_e, slots_s = _prefill(model, pool_e, prompts), _prefill(model, pool_s, prompts)
@@ -230,11 +232,13 @@ def test_graph_runner_fallbacks_and_switches() -> None:
     del tmp
     with pytest.raises(RuntimeError):
         _ = tmp_runner.pool
-    # On CPU the model never makes a graph runner, whatever the switch says.
-    assert model.decode_graphs and model.graph_runner(pool, model.attention()) is None
+    # On CPU the executor never makes a graph runner, whatever the switch says.
+    executor = model.executor
+    assert executor.decode_graphs and executor.graph_runner(pool, model.attention()) is None
     pool8 = model.make_kv_pool(8)
+    executor.decode_padding = True
     model(five, pool8)
-    assert not pool8.graph_runners
+    assert not executor.runners(pool8)
 
 
 def test_backend_is_built_once_per_model() -> None:
@@ -242,3 +246,38 @@ def test_backend_is_built_once_per_model() -> None:
     assert model.attention() is model.attention("torch")
     assert model.attention("triton") is model.attention("triton")
     assert model.attention("triton") is not model.attention("torch")
+
+
+def test_the_executor_owns_the_forward_switches_and_the_context_is_frozen() -> None:
+    model = _model()
+    executor = model.executor
+    assert executor.model is model and not executor.pads_decode()
+    with pytest.raises(AttributeError, match="executor"):
+        model.decode_padding = True  # would silently do nothing: refused with a pointer
+    a = ForwardBatch.from_requests([[1, 2, 3]], [[]], [[0, 1, 2]])
+    ctx = executor.build_context(a, model.make_kv_pool(8), model.attention())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.num_real = 0  # type: ignore[misc]
+    pool = model.make_kv_pool(8)
+    torch.testing.assert_close(model(a, pool).logits, executor.forward(a, pool).logits)
+
+
+def test_the_network_is_below_its_executor_and_graph_runners() -> None:
+    """model -> executor -> graphs -> context, one way, annotations included: the runners see
+    the network through graphs.ForwardBody, never by importing the model."""
+    import ast
+    from pathlib import Path
+
+    import tokencache_models
+
+    root = Path(tokencache_models.__file__).parent
+    for name in ("executor", "graphs", "context", "attention"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1
+        }
+        assert "model" not in imported, name
+        if name != "executor":
+            assert "executor" not in imported, name

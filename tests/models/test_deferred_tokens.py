@@ -144,7 +144,9 @@ def _run(model: CausalLM, kind: str, mode: str, layout: str, path: str) -> Forwa
     pool, source, step = _scenario(model, kind)
     hb = _host_batch(step, source, mode, layout, pool)
     if path == "static":
-        runner = DecodeGraphRunner(model, pool, model.attention(), model.decode_buckets, 4096)
+        runner = DecodeGraphRunner(
+            model, pool, model.attention(), model.executor.decode_buckets, 4096
+        )
         return runner.run(hb)
     return model.execute(model.prepare(hb, pool))
 
@@ -162,7 +164,7 @@ def _check(model: CausalLM, kind: str, layout: str, path: str) -> None:
 @pytest.mark.parametrize("kind", ["decode", "decode-padded", "mixed"])
 def test_eager_forward_with_deferred_tokens_equals_host_tokens(kind: str, layout: str) -> None:
     model = _model()
-    model.decode_padding = kind == "decode-padded"  # the CUDA default: padded to a bucket
+    model.executor.decode_padding = kind == "decode-padded"  # the CUDA default: padded to a bucket
     _check(model, kind.removesuffix("-padded"), layout, "eager")
 
 
@@ -181,7 +183,7 @@ def test_graph_runner_prepare_resolves_deferred_tokens(layout: str) -> None:
     assert runner._tokens[:3].tolist() == want
     assert hb.token_ids.tolist() != want  # the host copy keeps its placeholders
     out = runner.execute(static)
-    model.decode_padding = True
+    model.executor.decode_padding = True
     eager = _run(model, "decode", "truth", layout, "eager")
     assert torch.equal(out.logits, eager.logits)
     # The next step, with host tokens only, runs its own tokens (no stale resolution).
@@ -195,7 +197,7 @@ def test_deferred_tokens_are_resolved_without_reading_the_device(path: str) -> N
     """On the meta device no tensor has data: a forward whose source tokens live there runs
     only if nothing reads them back on the host."""
     model = empty_model(CFG, device="meta", attention_backend="torch")
-    model.decode_padding = path == "padded"
+    model.executor.decode_padding = path == "padded"
     pool = KVPool.for_config(CFG, 256, device="meta")
     a, b = pool.alloc(9), pool.alloc(4)
     source = torch.empty(5, dtype=torch.int64, device="meta")

@@ -245,7 +245,7 @@ class PadDecode:
     """configure: padded decode batches on every rank (the CUDA default; CPU here)."""
 
     def __call__(self, model: CausalLM) -> None:
-        model.decode_padding = True
+        model.executor.decode_padding = True
 
 
 class CrashInForward:
@@ -259,7 +259,7 @@ class CrashInForward:
         if model.tp_group is None or model.tp_group.rank == 0:
             return
         calls = [0]
-        inner = model.execute
+        inner = model.executor.execute
 
         def execute(step: Any) -> Any:
             calls[0] += 1
@@ -268,7 +268,7 @@ class CrashInForward:
                 os.kill(os.getpid(), signal.SIGKILL)
             return inner(step)
 
-        model.execute = execute  # type: ignore[method-assign]
+        model.executor.execute = execute  # type: ignore[method-assign]
 
 
 def driver_equal(family: str, pad: bool) -> dict[str, Any]:
@@ -279,7 +279,7 @@ def driver_equal(family: str, pad: bool) -> dict[str, Any]:
         configure=PadDecode() if pad else None,
     )
     ref = full_model(family)
-    ref.decode_padding = pad
+    ref.executor.decode_padding = pad
     try:
         out = {"list": _compare(list_scenario(model, model.make_kv_pool(96)),
                                 list_scenario(ref, ref.make_kv_pool(96)))}  # fmt: skip
@@ -298,7 +298,7 @@ def driver_equal(family: str, pad: bool) -> dict[str, Any]:
             std=0.3,
             attention_backend="torch",
         )
-        small.decode_padding = pad
+        small.executor.decode_padding = pad
         mode = "threaded" if family == "llama" else "events"
         out["engine"] = engine_scenario(small, model, mode)
         out["engine_ref"] = engine_scenario(small, ref, mode)
@@ -528,7 +528,7 @@ def test_shard_forward_never_reads_the_device(kind: str) -> None:
         batch = ForwardBatch.from_requests([[1, 2], [3]], [[0, 1], [2, 3]], [[5, 6], [7]])
     else:
         batch = ForwardBatch.from_requests([[1], [3]], [[0, 1], [2, 3]], [[5], [7]])
-    shard.decode_padding = kind == "decode-padded"
+    shard.executor.decode_padding = kind == "decode-padded"
     out = shard(batch, pool)
     assert out.logits.device.type == "meta"
     assert out.logits.shape == (2, cfg.vocab_size)

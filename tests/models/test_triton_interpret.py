@@ -27,8 +27,7 @@ def torch_reference(batch, q, kc, vc, scale):
     # kc / vc carry the scratch row last, as KVPool.k_store does.
     backend = TorchPagedAttention()
     ctx = ForwardContext.build(batch, torch.device("cpu"), kc.shape[0] - 1, backend.plan)
-    ctx.attn = backend.prepare(ctx)
-    return backend.forward(q, kc, vc, ctx, scale), ctx
+    return backend.forward(q, kc, vc, ctx, backend.prepare(ctx), scale), ctx
 
 
 def scattered_requests(perm, prefix_lens, q_lens, shared=None):
@@ -95,7 +94,7 @@ def check(heads, kv_heads, head_dim, prefix_lens, q_lens, shared_prefix=0, rows=
     )
     err = (out - ref).abs().max().item()
     assert err < 1e-4, (heads, kv_heads, head_dim, prefix_lens[:4], q_lens[:4], err)
-    return len(ctx.host["groups"])
+    return len(ctx.plan_groups)
 
 # Ragged prefills (no prefix), GQA group 4, rows covering several tokens per block.
 check(8, 2, 32, [0, 0, 0, 0], [1, 6, 17, 40])
@@ -359,7 +358,7 @@ for step in range(4):
     batch = ForwardBatch.from_requests(
         [tr.requests[i].pending for i in rids], [tr.requests[i].slots for i in rids],
         [torch.zeros(len(tr.requests[i].pending), dtype=torch.int64) for i in rids])
-    prefix = tm.build_context(batch, tr.pool, tm.attention()).prefix
+    prefix = tm.executor.build_context(batch, tr.pool, tm.attention()).prefix
     shared_seen.append(sorted(g.length for g in prefix.groups) if prefix else [])
     a, b = tr.step(rids), rr.step(rids)
     err = (a.logits - b.logits).abs().max().item()
@@ -370,7 +369,7 @@ hb = HostBatch.from_batch(ForwardBatch.from_requests(
     [tr.requests[i].pending for i in rids], [tr.requests[i].slots for i in rids],
     [tr.pool.alloc(1) for _ in rids]))
 static = DecodeGraphRunner(tm, tr.pool, tm.attention(), (8,), use_graphs=False).run(hb)
-eager = tm.forward_context(tm.build_context(hb, tr.pool, tm.attention()), tr.pool, tm.attention())
+eager = tm.run(tm.executor.build_context(hb, tr.pool, tm.attention()), tr.pool, tm.attention())
 assert (static.logits - eager.logits).abs().max().item() < 1e-4
 print("OK")
 """
@@ -399,7 +398,7 @@ for batch, shared in (
 ):
     ref = ref_model(batch, ref_pool)
     backend = model.attention()
-    ctx = model.build_context(batch, pool, backend)
+    ctx = model.executor.build_context(batch, pool, backend)
     assert (ctx.prefix.longest if ctx.prefix else 0) == shared, (ctx.prefix, shared)
     saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu", "numpy")}
 
@@ -409,7 +408,7 @@ for batch, shared in (
     for n in saved:
         setattr(torch.Tensor, n, refuse)
     try:
-        out = model.forward_context(ctx, pool, backend)
+        out = model.run(ctx, pool, backend)
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)

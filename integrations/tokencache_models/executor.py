@@ -1,0 +1,207 @@
+"""The model executor: how one model's forwards run, beside the network that computes them.
+
+nano-vllm's ModelRunner is the anchor. The network (model.CausalLM) is the layers and one
+forward body, `run(ctx, pool, backend)`, over a context built before it; the executor owns
+everything about HOW a forward runs:
+
+- its host work (`prepare`): lengths, padding rows, the attention backend's host plan, the
+  shared-prefix tables, the one packed copy to the device; a decode step that fits a graph
+  runner is loaded into that runner's static buffers instead;
+- the choice of path: eager, eager over a decode batch padded to a bucket (`decode_padding`,
+  default on CUDA), or the replay of the CUDA graph captured for that bucket (`decode_graphs`);
+- the graph runners (graphs.DecodeGraphRunner), one per (pool, attention backend), held by
+  pool weakly: dropping a pool frees its graphs;
+- its device work (`execute`): the replay or the network's body; under tensor parallelism it
+  first sends the step's metadata to the worker ranks (model.tp).
+
+Every model has one (`model.executor`); `model.prepare` / `model.execute` / `model(...)` are
+delegations to it. Dependencies point one way: model -> executor -> graphs -> context (the
+executor and the graph runners see the network through the Network / ForwardBody protocols).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from .batch import ForwardBatch
+from .context import (
+    DEFAULT_DECODE_BUCKETS,
+    ForwardContext,
+    ForwardOutput,
+    HostBatch,
+    decode_bucket,
+)
+from .graphs import DecodeGraphRunner, ForwardBody, StaticStep
+from .kv_pool import KVPool
+from .prefix_plan import PrefixShape
+
+if TYPE_CHECKING:
+    from .attention import TorchPagedAttention
+    from .parallel import TPGroup
+
+
+class TPHooks(Protocol):
+    """A tensor-parallel runtime on a model shard (tp_worker.TPDriver on the engine's rank):
+    pools it makes and forwards it runs are mirrored on the worker ranks."""
+
+    def pool_made(self, pool: KVPool) -> None: ...
+
+    def prepared(self, hb: HostBatch, pool: KVPool, backend: str) -> Any: ...
+
+    def executing(self, payload: Any) -> None: ...
+
+    def fail(self, exc: BaseException) -> BaseException: ...
+
+
+class Network(ForwardBody, Protocol):
+    """What the executor needs of the network (model.CausalLM) beyond its forward body: its
+    attention backends (built once per model) and its tensor-parallel place and runtime."""
+
+    tp: TPHooks | None
+    tp_group: TPGroup | None
+
+    def attention(self, name: str | None = None) -> TorchPagedAttention: ...
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A forward whose host work is done (ModelExecutor.prepare): an eager context, or a
+    decode step loaded into a graph runner's static buffers."""
+
+    pool: KVPool
+    backend: TorchPagedAttention
+    context: ForwardContext | None = None
+    static: StaticStep | None = None
+    runner: DecodeGraphRunner | None = None
+    # Tensor parallelism: what the engine's rank sends its workers when it runs this step.
+    tp_payload: Any = None
+
+
+class ModelExecutor:
+    """Runs one model's forwards: chooses eager, padded or graph replay, owns the graph runners.
+
+    Switches (CUDA only; every rank of a tensor-parallel model must agree on them):
+    decode_padding pads decode batches to a bucket (None: on when the model is on CUDA),
+    decode_graphs replays CUDA graphs for them, decode_buckets the bucket sizes.
+    """
+
+    def __init__(self, model: Network) -> None:
+        self.model = model
+        self.decode_padding: bool | None = None
+        self.decode_graphs = True
+        self.decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
+        # pool -> {backend name: runner}; weak, so a dropped pool frees its runners and graphs.
+        self._runners: weakref.WeakKeyDictionary[KVPool, dict[str, DecodeGraphRunner]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def pads_decode(self) -> bool:
+        if self.decode_padding is not None:
+            return self.decode_padding
+        return self.model.device.type == "cuda"
+
+    def graph_runner(self, pool: KVPool, backend: TorchPagedAttention) -> DecodeGraphRunner | None:
+        """The CUDA-graph decode runner of (pool, backend), made on first use; None when the
+        model is not on CUDA. Decode steps use it while decode_graphs is on."""
+        if self.model.device.type != "cuda":
+            return None
+        runners = self._runners.setdefault(pool, {})
+        runner = runners.get(backend.name)
+        if runner is None:
+            runner = DecodeGraphRunner(self.model, pool, backend, self.decode_buckets)
+            runners[backend.name] = runner
+        return runner
+
+    def runners(self, pool: KVPool) -> list[DecodeGraphRunner]:
+        """The graph runners made over `pool` so far."""
+        return list(self._runners.get(pool, {}).values())
+
+    def build_context(
+        self,
+        batch: ForwardBatch | HostBatch,
+        pool: KVPool,
+        backend: TorchPagedAttention,
+        pad_rows_to: int | None = None,
+    ) -> ForwardContext:
+        """Host work of one eager forward (lengths, padding, the backend's host plan), one copy
+        to the device. Nothing after this reads device memory back on the host."""
+        shape = (
+            PrefixShape.of(self.model.shard_config, pool.dtype.itemsize)
+            if backend.shares_prefix
+            else None
+        )
+        return ForwardContext.build(
+            batch, self.model.device, pool.scratch_slot, backend.plan, pad_rows_to, shape
+        )
+
+    def prepare(
+        self, batch: ForwardBatch | HostBatch, pool: KVPool, attention_backend: str | None = None
+    ) -> PreparedStep:
+        """A forward's host work (lengths, padding, prefix tables, the one copy to the device):
+        what execute() then runs is device work only."""
+        model = self.model
+        backend = model.attention(attention_backend)
+        hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
+        if hb.deferred is not None and model.tp_group is not None and model.tp_group.world > 1:
+            # The worker ranks would need the resolved tokens: a host sync on the engine's
+            # rank, for a case that does not arise (the small model, which would take deferred
+            # tokens, is never the tensor-parallel one). Refused rather than synced silently.
+            raise ValueError(
+                "DeferredTokens are not supported on a tensor-parallel model: resolve the "
+                "tokens on the host (write them into token_ids) for its forwards"
+            )
+        step = self._prepare(hb, pool, backend)
+        if model.tp is not None:  # after our own host work: its prefix groups travel too
+            step = dataclasses.replace(step, tp_payload=model.tp.prepared(hb, pool, backend.name))
+        return step
+
+    def _prepare(self, hb: HostBatch, pool: KVPool, backend: TorchPagedAttention) -> PreparedStep:
+        pad_to = None
+        if hb.is_decode and self.pads_decode():
+            pad_to = decode_bucket(hb.num_requests, self.decode_buckets)
+            runner = self.graph_runner(pool, backend) if self.decode_graphs else None
+            if runner is not None and pad_to is not None and runner.fits(hb):
+                return PreparedStep(pool, backend, static=runner.prepare(hb), runner=runner)
+        return PreparedStep(pool, backend, context=self.build_context(hb, pool, backend, pad_to))
+
+    def execute(self, step: PreparedStep) -> ForwardOutput:
+        """A prepared forward's device work (graph replay or the eager body); under tensor
+        parallelism its metadata goes to the worker ranks first, which run it alongside."""
+        if step.tp_payload is None:
+            return self._execute(step)
+        tp = self.model.tp
+        assert tp is not None
+        tp.executing(step.tp_payload)
+        try:
+            return self._execute(step)
+        except Exception as exc:  # a collective failed: a worker rank is gone
+            raise tp.fail(exc) from exc
+
+    def _execute(self, step: PreparedStep) -> ForwardOutput:
+        if step.runner is not None:
+            assert step.static is not None
+            return step.runner.execute(step.static)
+        assert step.context is not None
+        return self.model.run(step.context, step.pool, step.backend)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch | HostBatch,
+        pool: KVPool,
+        attention_backend: str | None = None,
+        context: ForwardContext | None = None,
+    ) -> ForwardOutput:
+        """One ragged batch (prefill, extend and decode requests mixed) over the pool: prepare
+        then execute. A prebuilt context (build_context) may be passed instead of the batch's
+        host work, and then runs eagerly."""
+        if context is not None:
+            if self.model.tp is not None:  # the worker ranks would never see this forward
+                raise RuntimeError("a tensor-parallel model runs forwards through prepare()")
+            return self.model.run(context, pool, self.model.attention(attention_backend))
+        return self.execute(self.prepare(batch, pool, attention_backend))
