@@ -18,8 +18,11 @@ the catch-up row times the large model's step over 10 requests x 10 new tokens e
     python benches/host_path.py                      # batch 1 32 128 256 x context 2k 8k 32k
     python benches/host_path.py --batches 32 --contexts 2048 8192 --steps 20 --json out.json
 
-Prints a table of medians (and writes JSON with --json). Overlap (preparing step n+1 while the
-GPU runs step n) is not implemented yet: every figure is the serial host path.
+Prints a table of medians (and writes JSON with --json). `--overlap on off` (default both):
+with overlap the engine prepares step n+1 while the GPU runs step n, so the host time per step
+is about the same but the GPU waits only for what exceeds its own step: the "GPU idle" column
+is the engine clock's (Stats.device_idle_s over idle + the step's device price), serially all
+of the host time, with overlap max(0, host - device) per step.
 """
 
 from __future__ import annotations
@@ -99,17 +102,18 @@ def stub_device(model: CausalLM, runner: str) -> CausalLM:
 class Row:
     kind: str  # "decode" or "catch-up"
     runner: str
+    overlap: bool
     batch: int
     context: int
     host_ms: float  # median host ms per step
     host_ms_min: float
     host_ms_max: float
     device_ms: float  # the GPU clock's price of the same step (Qwen3-0.6B / 8B, h200-roofline)
-    gpu_idle_share: float  # host / (host + device): what the GPU waits for, serially
+    gpu_idle_share: float  # idle / (idle + device): what the GPU waits for (Stats.device_idle_s)
 
 
 def _engine(
-    batch: int, context: int, runner: str, router: Any, catchup_batch: int = 1
+    batch: int, context: int, runner: str, router: Any, catchup_batch: int = 1, overlap: bool = True
 ) -> RoutedEngine:
     small = stub_device(random_model(CONFIG, seed=1), runner)
     large = stub_device(random_model(CONFIG, seed=2), runner)
@@ -123,6 +127,7 @@ def _engine(
             max_running=batch, min_large_batch=catchup_batch, max_wait_steps=1000
         ),
         clock=GpuClock(profile="h200-roofline"),
+        overlap=overlap,
     )
 
 
@@ -133,29 +138,33 @@ def _prompts(batch: int, context: int) -> list[list[int]]:
     return [shared + o for o in own]
 
 
-def decode_row(batch: int, context: int, runner: str, steps: int) -> Row:
-    eng = _engine(batch, context, runner, EntropyRouter(math.inf))
+def decode_row(batch: int, context: int, runner: str, steps: int, overlap: bool = True) -> Row:
+    eng = _engine(batch, context, runner, EntropyRouter(math.inf), overlap=overlap)
     handles = [eng.submit(p, max_new_tokens=steps + 8) for p in _prompts(batch, context)]
     while any(len(h.tokens) < 2 for h in handles):  # prefills and a first decode step
         eng.iterate()
     st = eng.stats
-    host, device = [], []
+    host, device, idle = [], [], []
     for _ in range(steps):
-        h0, d0, n0 = st.small_host_s, st.small_device_s, len(st.small_batch_sizes)
+        h0, d0, i0 = st.small_host_s, st.small_device_s, st.device_idle_s
+        n0 = len(st.small_batch_sizes)
         eng.iterate()
         if len(st.small_batch_sizes) == n0 + 1 and st.small_batch_sizes[-1] == batch:
             host.append(st.small_host_s - h0)
             device.append(st.small_device_s - d0)
+            idle.append(st.device_idle_s - i0)
     eng.shutdown()
-    return _row("decode", runner, batch, context, host, device)
+    return _row("decode", runner, overlap, batch, context, host, device, idle)
 
 
-def catchup_row(context: int, runner: str, rounds: int, requests: int = 10) -> Row:
+def catchup_row(
+    context: int, runner: str, rounds: int, requests: int = 10, overlap: bool = True
+) -> Row:
     """The large model's catch-up over `requests` requests x 10 new tokens: every request
     escalates at generated positions 0 (the first catch-up prefills its prompt) and then every
     10th; the later catch-ups are timed."""
     router = ScriptedRouter(default=range(0, 10 * (rounds + 1) + 1, 10))
-    eng = _engine(requests, context, runner, router, catchup_batch=requests)
+    eng = _engine(requests, context, runner, router, catchup_batch=requests, overlap=overlap)
     handles = [eng.submit(p, 10 * (rounds + 1) + 2) for p in _prompts(requests, context)]
     st = eng.stats
     host, device = [], []
@@ -174,26 +183,36 @@ def catchup_row(context: int, runner: str, rounds: int, requests: int = 10) -> R
                 # The clock advanced by the catch-up (serial) and maybe a small step after it.
                 device.append(max(eng.now() - t0 - (st.host_s - h0), 0.0))
     eng.shutdown()
-    return _row("catch-up", runner, requests, context, host, device)
+    # A catch-up stalls the small model on one device: the GPU waits for all its host time.
+    return _row("catch-up", runner, overlap, requests, context, host, device, host)
 
 
 def _row(
-    kind: str, runner: str, batch: int, context: int, host: list[float], device: list[float]
+    kind: str,
+    runner: str,
+    overlap: bool,
+    batch: int,
+    context: int,
+    host: list[float],
+    device: list[float],
+    idle: list[float],
 ) -> Row:
     if not host:
         raise RuntimeError(f"no {kind} step of batch {batch} was measured")
     h = statistics.median(host) * 1e3
     d = statistics.median(device) * 1e3
+    i = statistics.median(idle) * 1e3
     return Row(
         kind,
         runner,
+        overlap,
         batch,
         context,
         h,
         min(host) * 1e3,
         max(host) * 1e3,
         d,
-        h / (h + d) if h + d else 0.0,
+        i / (i + d) if i + d else 0.0,
     )
 
 
@@ -204,6 +223,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--runner", choices=("gpu", "eager"), nargs="+", default=["gpu"])
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per shape")
     ap.add_argument("--catchup-rounds", type=int, default=3)
+    ap.add_argument(
+        "--overlap", choices=("on", "off"), nargs="+", default=["on", "off"],
+        help="the engine's overlapped scheduling (RoutedEngine(overlap=...))",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     # The host path is one thread; torch's intra-op pool on a shared 2-core machine would
@@ -216,19 +239,30 @@ def main(argv: list[str] | None = None) -> list[Row]:
         def tqdm(x: Any, **_: Any) -> Any:
             return x
 
-    shapes = [(r, b, c) for r in args.runner for c in args.contexts for b in args.batches]
+    overlaps = [o == "on" for o in args.overlap]
+    shapes = [
+        (r, o, b, c)
+        for r in args.runner
+        for o in overlaps
+        for c in args.contexts
+        for b in args.batches
+    ]
     rows: list[Row] = []
     t0 = time.perf_counter()
-    for runner, b, c in tqdm(shapes, desc="decode shapes"):
-        rows.append(decode_row(b, c, runner, args.steps))
+    for runner, o, b, c in tqdm(shapes, desc="decode shapes"):
+        rows.append(decode_row(b, c, runner, args.steps, o))
     for runner in args.runner:
         for c in tqdm(args.contexts, desc=f"catch-ups ({runner})"):
-            rows.append(catchup_row(c, runner, args.catchup_rounds))
-    print("| step | runner | batch | context | host ms (median) | min | max | GPU ms | GPU idle |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+            rows.append(catchup_row(c, runner, args.catchup_rounds, overlap=overlaps[0]))
+    print(
+        "| step | runner | overlap | batch | context | host ms (median) | min | max | GPU ms "
+        "| GPU idle |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r.kind} | {r.runner} | {r.batch} | {r.context} | {r.host_ms:.3f} | "
+            f"| {r.kind} | {r.runner} | {'on' if r.overlap else 'off'} | {r.batch} | {r.context} "
+            f"| {r.host_ms:.3f} | "
             f"{r.host_ms_min:.3f} | {r.host_ms_max:.3f} | {r.device_ms:.3f} | "
             f"{100 * r.gpu_idle_share:.0f}% |"
         )

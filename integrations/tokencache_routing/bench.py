@@ -234,6 +234,8 @@ def run(
     charge: dict[str, Any] = {}
     if getattr(a, "host_charge", None) is not None:
         charge["host_charge"] = a.host_charge
+    if dispatch == "tokencache" and getattr(a, "no_overlap", False):
+        charge["overlap"] = False  # the serial host path (the engine's default overlaps)
     eng = RoutedEngine(
         small,
         large,
@@ -289,6 +291,7 @@ def run(
     prefixes = st.catchup_shared_prefix
     extra: dict[str, Any] = {"topology": eng.topology, "system_prompts": len(systems)}
     extra["host_charge"] = getattr(eng, "host_charge", "trees")
+    extra["overlap"] = bool(getattr(eng, "overlap", False))
     large_s, floor = st.large_forward_s, 0.0
     if gpu is not None:
         rows4 = list(zip(sizes, toks, kvs, prefixes, strict=True))
@@ -533,6 +536,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="RoutedEngine's host_charge, where the engine has it (issue 20: serial, overlap or "
         "trees); default: the engine's",
     )
+    ap.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="tokencache without overlapped scheduling (RoutedEngine(overlap=False)): the "
+        "serial host path, every host microsecond on the GPU's clock",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out/routing", help="folder for bench.json, bench.png")
@@ -565,7 +574,16 @@ def host_note(rows: Sequence[Row]) -> str:
     charges = sorted({r.extra.get("host_charge", "trees") for r in rows if r.system in SYSTEMS})
     if charges in ([], ["trees"]):
         return "host time outside the trees not charged"
-    return f"host time charged: {'/'.join(charges)} (RoutedEngine host_charge)"
+    overlap = {r.extra.get("overlap", False) for r in rows if r.system == "tokencache"}
+    how = {
+        frozenset(): "",
+        frozenset({True}): "; tokencache overlapped",
+        frozenset({False}): "; tokencache serial",
+    }
+    return (
+        f"host time charged: {'/'.join(charges)} (RoutedEngine host_charge)"
+        f"{how.get(frozenset(overlap), '; tokencache overlapped and serial')}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

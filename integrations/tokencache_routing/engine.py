@@ -13,6 +13,11 @@ GPU-shaped costs). topology="one-device" runs each catch-up between two small st
 requests rejoin the very next step); "two-devices" overlaps the models (a catch-up's requests
 rejoin once the large model's clock says it finished). The naive dispatchers add a synchronous
 barrier: every step waits for every parked request's catch-up.
+
+overlap=True (the default for the tokencache dispatch): the next small step is prepared and
+launched before the previous one is finished on the host, its continuing requests fed with
+their drawn token on the device; the event loop's clock then keeps a host clock and a device
+queue, charging only what the device waits for (README: "Overlapped scheduling").
 """
 
 from __future__ import annotations
@@ -703,12 +708,12 @@ class RoutedEngine:
 
     def _charge(self, device_s: float, host_s: float, tree_s: float) -> float:
         """A step's cost on the engine clock from its device cost and its measured host time
-        (host_charge): "serial", the GPU waits for all of the host's work (scheduling, the
-        runner's preparation, sampling, the router, commits, the trees), as it does without
-        an overlapped host path; "overlap", max(host, device): what a host path prepared
-        while the GPU runs would cost (a projection: this engine does not overlap yet);
-        "trees", only the tree calls (the clock before issue 20, kept to compare). The step
-        clock charges no host time (a pure function of the schedule)."""
+        (host_charge), for the serial path (overlap=False; the overlapped event loop keeps a
+        host clock and a device queue instead, _start_on_device): "serial", the GPU waits for
+        all of the host's work (scheduling, the runner's preparation, sampling, the router,
+        commits, the trees); "overlap", max(host, device): a projection of an overlapped host
+        path, kept to compare; "trees", only the tree calls (the clock before issue 20, kept
+        to compare). The step clock charges no host time (a pure function of the schedule)."""
         if self.clock == "steps":
             return device_s
         if self.host_charge == "serial":
