@@ -864,6 +864,8 @@ class RoutedEngine:
         self._pending = nxt
         if pending is not None:
             self._land_timed(pending)
+        if nxt is not None and not any(nxt.prep.live()):  # all rows dropped: nothing to wait for
+            self._land_pending()
         if self.topology == "one-device":
             # Places the landed step freed are refilled before holes can launch a catch-up.
             self.intake()

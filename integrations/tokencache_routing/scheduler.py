@@ -391,7 +391,7 @@ class Scheduler:
             for i, r in enumerate(after.batch):
                 if len(batch) >= cap:
                     break
-                if live[i] and r.num_generated + 1 < r.max_new_tokens:
+                if live[i] and not r.abort_requested and r.num_generated + 1 < r.max_new_tokens:
                     ahead[id(r)] = i
                     batch.append(r)
         if not batch:

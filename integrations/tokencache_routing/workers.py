@@ -151,6 +151,8 @@ class ThreadedDriver:
                 self.pending = prep if dt is not None else None
                 if pending is not None:
                     self._finish(pending)
+                    if not any(prep.live()):  # all its rows dropped: finish it now
+                        self._finish_pending()
                 if dt is not None:
                     s.stats.small_forward_s += dt
                     if not eng.overlap:

@@ -33,7 +33,8 @@ def test_smoke_times_the_engine_beside_the_runner_and_the_host_path() -> None:
     assert row["engine_ms"] > 0 and row["runner_ms"] > 0 and row["host_ms"] > 0
     assert row["ratio"] == row["engine_ms"] / row["runner_ms"]
     assert (
-        "| decode | gpu | on | 3 | 40 |" in proc.stdout and "| catch-up | gpu | on | 10 | 40 |" in proc.stdout
+        "| decode | gpu | on | 3 | 40 |" in proc.stdout
+        and "| catch-up | gpu | on | 10 | 40 |" in proc.stdout
     )
 
 

@@ -8,6 +8,7 @@ host time the device waits for."""
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import pytest
@@ -180,3 +181,23 @@ def test_overlap_needs_the_tokencache_dispatch(pair: Any) -> None:
     with pytest.raises(TypeError, match="overlap must be a bool"):
         RoutedEngine(*pair, EntropyRouter(1.0), 256, overlap="yes")  # type: ignore[arg-type]
     assert not RoutedEngine(*pair, EntropyRouter(1.0), 256, dispatch="naive").overlap
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_nothing_is_held_once_the_last_request_stopped(pair: Any, mode: str) -> None:
+    """A lone request ending on a stop token leaves a row in the step launched after it:
+    that step has nothing left to commit, so it is finished at once and its slot freed (no
+    later iteration is needed to give it back)."""
+    prompt = make_prompts(1, seed=76, shared=3)[0]
+    ref, _ = reference_generate(*pair, [prompt], 8, lambda rid, pos: False)
+    eng = RoutedEngine(*pair, EntropyRouter(math.inf), 256, mode=mode)
+    h = eng.submit(prompt, 8, stop_token_ids=[ref[0][3]])
+    assert h.wait(60) and h.finished_reason == "stop"
+    deadline = 100
+    while not eng.idle_invariant() and mode == "threaded" and deadline:  # workers wind down
+        deadline -= 1
+        threading.Event().wait(0.02)
+    assert eng.idle_invariant()
+    if ref[0].index(ref[0][3]) == 3:  # it stopped there, its next row launched already
+        assert eng.stats.dropped_rows == 1
+    eng.shutdown()
