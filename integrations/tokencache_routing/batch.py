@@ -13,7 +13,8 @@ from tokencache_models import DeferredTokens, ForwardOutput, HostBatch
 
 from .clock import NO_PREFIX, PrefixRead
 from .kv import KVHandle, ModelSide
-from .sampling import Draw, draw
+from .routers import Router
+from .sampling import Decisions, Draw, draw, route
 from .state import Request
 
 
@@ -131,6 +132,7 @@ class PreparedForward:
     # After launch(): the forward's output and the tokens drawn from it, on the device.
     out: ForwardOutput | None = None
     drawn: Draw | None = None
+    decided: Decisions | None = None  # the router's answers (small steps)
     resolved: np.ndarray | None = None  # the draw on the host, once the step is finished
     dropped: set[int] = dataclasses.field(default_factory=set)
     successor: PreparedForward | None = None  # the forward that continues this one's rows
@@ -154,12 +156,16 @@ class PreparedForward:
             out = dataclasses.replace(out, logits=out.logits[:, : self.side.vocab_size])
         return out, w2 - w1
 
-    def launch(self) -> float:
-        """run() and the draw of each row's next token, both left on the device (the output
-        is read when the step is finished); returns the forward's device time as run()."""
+    def launch(self, router: Router | None = None) -> float:
+        """run(), the draw of each row's next token and (a small step: router given) the
+        router's answers, all enqueued on the device before anything else is, their copies to
+        the host under way (read when the step is finished, waiting for this step only);
+        returns the forward's device time as run()."""
         out, dt = self.run()
         self.out = out
         self.drawn = draw(out.logits, self.batch, self.kv_lens)
+        if router is not None:
+            self.decided = route(router, out, self.batch, self.drawn, self.kv_lens)
         return dt
 
     def live(self) -> list[bool]:

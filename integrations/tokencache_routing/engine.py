@@ -759,7 +759,7 @@ class RoutedEngine:
         if prep is None:
             return None
         try:
-            dt = prep.launch()
+            dt = prep.launch(s.router if kind == SMALL else None)
         except BaseException as e:
             s.abandon(prep, e)
             if not isinstance(e, Exception):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,19 +73,52 @@ def _draw(
     return tok.squeeze(-1), ok
 
 
+class Readback:
+    """Device tensors copied to the host without blocking: on CUDA into pinned memory on the
+    current stream, with an event recorded after the copies, so reading them waits for the
+    work that made them and not for what was queued behind it since (the next step, with
+    overlap: a plain .tolist() there would wait for that step too and idle the device while
+    the host finishes this one). Elsewhere the tensors themselves."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._event: Any = None
+        self._out = list(tensors)
+        if any(t.device.type == "cuda" for t in tensors):
+            self._out = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in tensors
+            ]
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+
+    def get(self) -> list[torch.Tensor]:
+        """The host copies (waits for them once)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._out
+
+
 @dataclass
 class Draw:
-    """A batch's tokens drawn on the logits' device and not yet read by the host."""
+    """A batch's tokens drawn on the logits' device, their copy to the host under way."""
 
     tokens: torch.Tensor  # [B] int64, on the device
     # Per sampled group: its rows and whether each row's logits were finite (on the device).
     checks: list[tuple[list[int], torch.Tensor]]
     failed: Failed  # rows that failed on the host (their seed)
+    readback: Readback | None = None
+
+    def __post_init__(self) -> None:
+        self.readback = Readback([self.tokens, *(ok for _, ok in self.checks)])
 
     def resolve(self, batch: Sequence[Request]) -> tuple[list[int], Failed]:
-        """The tokens on the host and every row that could not be sampled (a sync point)."""
+        """The tokens on the host and every row that could not be sampled (a sync point:
+        waits for this step's draw only)."""
+        assert self.readback is not None
+        tokens, *oks = self.readback.get()
         failed = dict(self.failed)
-        for idx, ok in self.checks:
+        for (idx, _), ok in zip(self.checks, oks, strict=True):
             if bool(ok.all()):
                 continue
             for k in torch.nonzero(~ok).flatten().tolist():
@@ -92,7 +126,7 @@ class Draw:
                 failed[idx[k]] = FloatingPointError(
                     f"request {r.rid}: its logits are not finite (NaN or inf), cannot sample"
                 )
-        return self.tokens.tolist(), failed
+        return tokens.tolist(), failed
 
 
 def draw(logits: torch.Tensor, batch: Sequence[Request], index: np.ndarray) -> Draw:
@@ -142,30 +176,68 @@ def sample(
     return d.tokens, failed
 
 
-def route_step(
-    router: Router, out: ForwardOutput, batch: Sequence[Request], drawn: Draw | None = None
-) -> tuple[list[int], list[bool], Failed]:
-    """One small-model step's tokens, the router's escalate answers and the rows that could
-    not be sampled (drawn: the step's draw, made when it was launched; None: drawn here for
-    each request's next place). A router may answer with a bool tensor, a numpy array or a
-    list, one entry per request."""
-    if drawn is None:
-        drawn = draw(out.logits, batch, np.fromiter((r.n for r in batch), np.int64, len(batch)))
+class Decisions:
+    """A router's escalate answers for one step, their copy to the host under way."""
+
+    def __init__(self, answer: Any, rows: int) -> None:
+        if isinstance(answer, torch.Tensor):
+            if answer.dtype not in (torch.bool, torch.uint8, torch.int8, torch.int16,
+                                    torch.int32, torch.int64):  # fmt: skip
+                raise TypeError(f"router answered a tensor of {answer.dtype}, not booleans")
+            if answer.numel() != rows:
+                raise ValueError(f"router answered {answer.numel()} decisions for {rows} requests")
+            self._readback: Readback | None = Readback([answer.detach().reshape(-1)])
+            self._host: list[bool] | None = None
+            return
+        arr = np.asarray(answer)
+        if arr.dtype.kind not in "biu":
+            raise TypeError(f"router answered {type(answer).__name__} of {arr.dtype}, not booleans")
+        if arr.size != rows:
+            raise ValueError(f"router answered {arr.size} decisions for {rows} requests")
+        self._readback = None
+        self._host = arr.astype(bool).reshape(-1).tolist()
+
+    def resolve(self) -> list[bool]:
+        if self._host is None:
+            assert self._readback is not None
+            (t,) = self._readback.get()
+            self._host = t.to(torch.bool).tolist()
+        return self._host
+
+
+def route(
+    router: Router, out: ForwardOutput, batch: Sequence[Request], drawn: Draw, index: np.ndarray
+) -> Decisions:
+    """The router over one small step's output and draw, as device work where the router's
+    is (index: the place of each row's token in its request, so its generated position is
+    index - prompt length even for a row continuing a step not finished yet). A router may
+    answer with a bool tensor, a numpy array or a list, one entry per request."""
+    prompt = np.fromiter((r.prompt_len for r in batch), np.int64, len(batch))
     feats = RouterFeatures(
         logits=out.logits,
         hidden=out.hidden,
         tokens=drawn.tokens,
-        positions=torch.tensor([r.num_generated for r in batch], dtype=torch.int64),
+        positions=torch.from_numpy(np.asarray(index, np.int64) - prompt),
         rids=torch.tensor([r.route_key for r in batch], dtype=torch.int64),
     )
-    answer = router.route(feats)
-    if isinstance(answer, torch.Tensor):
-        answer = answer.detach().cpu()
-    arr = np.asarray(answer)
-    if arr.dtype.kind not in "biu":
-        raise TypeError(f"router answered {type(answer).__name__} of {arr.dtype}, not booleans")
-    decisions = arr.astype(bool).reshape(-1)
-    if decisions.size != len(batch):
-        raise ValueError(f"router answered {decisions.size} decisions for {len(batch)} requests")
+    return Decisions(router.route(feats), len(batch))
+
+
+def route_step(
+    router: Router,
+    out: ForwardOutput,
+    batch: Sequence[Request],
+    drawn: Draw | None = None,
+    decided: Decisions | None = None,
+) -> tuple[list[int], list[bool], Failed]:
+    """One small-model step's tokens, the router's escalate answers and the rows that could
+    not be sampled: drawn and decided when the step was launched (PreparedForward.launch),
+    or here for each request's next place."""
+    index = np.fromiter((r.n for r in batch), np.int64, len(batch))
+    if drawn is None:
+        drawn = draw(out.logits, batch, index)
+    if decided is None:
+        decided = route(router, out, batch, drawn, index)
+    escalate = decided.resolve()
     tokens, failed = drawn.resolve(batch)
-    return tokens, decisions.tolist(), failed
+    return tokens, escalate, failed

@@ -433,7 +433,9 @@ class Scheduler:
             q_lens = np.diff(prep.q_off)
             st.small_tokens += int(q_lens[live].sum())
             st.dropped_rows += len(live) - sum(live)
-            tokens, escalate, failed = route_step(self.router, out, prep.batch, prep.drawn)
+            tokens, escalate, failed = route_step(
+                self.router, out, prep.batch, prep.drawn, prep.decided
+            )
             prep.resolved = np.asarray(tokens, dtype=np.int64)
         except BaseException as e:
             self.abandon(prep, e, live)

@@ -105,10 +105,11 @@ class ThreadedDriver:
         self.cv.release()
         try:
             stream = self.streams[kind]
+            router = self.sched.router if kind == 0 else None  # small steps route at launch
             if stream is None:
-                return prep.launch()
+                return prep.launch(router)
             with torch.cuda.stream(stream):
-                dt = prep.launch()
+                dt = prep.launch(router)
             stream.synchronize()
             return dt
         except BaseException as e:

@@ -182,9 +182,11 @@ def test_abort_from_router_marks_generate_result(pair: Any, mode: str) -> None:
     res = eng.generate(prompts, 8)
     assert res.aborted == [False, True, False]
     # Threaded, tokens the small worker committed but the caller had not yet taken are dropped
-    # with the abort, so fewer than 4 may have been delivered; the event loop delivers all 4.
+    # with the abort, so fewer than 4 may have been delivered; the event loop delivers all 4,
+    # or 3 with overlap: the router of position 4's step runs at its launch, before position
+    # 3's step is finished, and nothing is delivered after abort() returned.
     delivered = len(res.tokens[1])
-    assert delivered == 4 if mode == "events" else delivered <= 4
+    assert delivered == (3 if eng.overlap else 4) if mode == "events" else delivered <= 4
     check_others(pair, router.decide, prompts, 8, res, {1: delivered})
     check_idle(eng)
 
