@@ -572,10 +572,10 @@ def run_primed(
     eng = RoutedEngine(*pair, router, 2048, clock=clock, dispatch=dispatch, overlap=False)
     for side in eng.sides:
         side.timer = _no_time
-    eng.sched.router = ScriptedRouter(every=True)
+    eng.router = ScriptedRouter(every=True)
     for k, system in enumerate(systems):
         eng.submit(system, 1, route_key=-1 - k).wait()
-    eng.sched.router = router
+    eng.router = router
     start = eng.stats.copy()
     res = eng.generate(prompts, 8)
     assert eng.idle_invariant()

@@ -34,7 +34,7 @@ def check_idle(eng: RoutedEngine) -> None:
     for side in eng.sides:
         assert side.pool.available + side.cached_size() == side.pool.num_slots
         assert side.pinned_size() == 0
-        side.tree.check_invariants()
+        side.check_invariants()
     assert no_worker_threads()
 
 
@@ -199,7 +199,7 @@ def test_router_error_releases_pins(pair: Any, dispatch: str, mode: str) -> None
     with pytest.raises(ValueError, match="router failed"):
         eng.generate(make_prompts(5, seed=66, shared=9), 12)
     check_idle(eng)
-    eng.router = eng.sched.router = inner
+    eng.router = inner
     check_exact(eng, pair, inner)
 
 
@@ -211,7 +211,7 @@ def test_keyboard_interrupt_mid_stream(pair: Any, dispatch: str, mode: str) -> N
     with pytest.raises(KeyboardInterrupt):
         eng.generate(make_prompts(5, seed=67, shared=6), 12)
     check_idle(eng)
-    eng.router = eng.sched.router = inner
+    eng.router = inner
     check_exact(eng, pair, inner)
 
 
@@ -497,5 +497,5 @@ def test_listener_error_ends_that_request_alone(pair: Any, dispatch: str, mode: 
         assert handles[i].finished_reason == "length"
         assert (handles[i].tokens, handles[i].models) == (ref[i], ref_models[i])
     assert eng.idle_invariant()
-    eng.router = eng.sched.router = BernoulliRouter(0.0)
+    eng.router = BernoulliRouter(0.0)
     check_exact(eng, pair, eng.router)
