@@ -1,11 +1,17 @@
-"""Shared helpers of the routing tests (a unique module name: tests/*/conftest.py collide)."""
+"""Shared helpers of the routing tests (a unique module name: tests/*/conftest.py collide).
+Test modules import these from here, never from one another."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tokencache_routing import BernoulliRouter, RoutedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 96
@@ -37,3 +43,47 @@ def make_prompts(n: int, seed: int, shared: int = 0, lo: int = 2, hi: int = 10) 
         k = int(torch.randint(lo, hi + 1, (1,), generator=g))
         out.append(base + torch.randint(0, VOCAB, (k,), generator=g).tolist())
     return out
+
+
+def bernoulli_decide(router: BernoulliRouter) -> Any:
+    """The reference's decide(rid, pos) for a BernoulliRouter (its draws are a function of
+    request and position)."""
+    return lambda rid, pos: bool(router.decide(np.array([rid]), np.array([pos]))[0])
+
+
+def check(
+    pair: Any,
+    router: Any,
+    decide: Any,
+    prompts: list[list[int]],
+    max_new: int,
+    **kw: Any,
+) -> Any:
+    """A fresh engine's generate equals the no-cache reference, and leaves it idle and clean."""
+    from tokencache_routing import RoutedEngine, reference_generate
+
+    small, large = pair
+    eng = RoutedEngine(small, large, router, **kw)
+    res = eng.generate(prompts, max_new)
+    ref_tokens, ref_models = reference_generate(small, large, prompts, max_new, decide)
+    assert res.tokens == ref_tokens
+    assert res.models == ref_models
+    assert eng.idle_invariant()
+    for side in eng.sides:
+        assert side.tree.protected_size() == 0
+        side.tree.check_invariants()
+    return eng, res
+
+
+def no_worker_threads() -> bool:
+    return not any(t.name.startswith("tokencache-") for t in threading.enumerate())
+
+
+def check_idle(eng: RoutedEngine) -> None:
+    """Every slot free or cached, nothing pinned, caches consistent, no worker left."""
+    assert eng.idle_invariant()
+    for side in eng.sides:
+        assert side.pool.available + side.cached_size() == side.pool.num_slots
+        assert side.pinned_size() == 0
+        side.check_invariants()
+    assert no_worker_threads()

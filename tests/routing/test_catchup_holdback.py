@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide, check
+from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, ScriptedRouter
 from tokencache_routing.batch import take_catchup_batch

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide
+from routing_helpers import bernoulli_decide, make_prompts
 
 from tokencache_models import (
     MIN_SHARED_PREFIX,

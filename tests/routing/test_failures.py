@@ -11,9 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from routing_helpers import VOCAB, make_prompts
-from test_exactness import bernoulli_decide
-from test_threaded import no_worker_threads
+from routing_helpers import VOCAB, bernoulli_decide, check_idle, make_prompts
 
 from tokencache_routing import (
     BernoulliRouter,
@@ -26,16 +24,6 @@ from tokencache_routing import (
 )
 
 MODES = [("tokencache", "events"), ("naive", "events"), ("tokencache", "threaded")]
-
-
-def check_idle(eng: RoutedEngine) -> None:
-    """Every slot free or cached, nothing pinned, trees consistent, no worker left."""
-    assert eng.idle_invariant()
-    for side in eng.sides:
-        assert side.pool.available + side.cached_size() == side.pool.num_slots
-        assert side.pinned_size() == 0
-        side.check_invariants()
-    assert no_worker_threads()
 
 
 def snapshot(eng: RoutedEngine) -> tuple[Any, ...]:

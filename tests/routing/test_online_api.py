@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide
+from routing_helpers import bernoulli_decide, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, SchedulerConfig, reference_generate
 
