@@ -6,12 +6,20 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from routing_helpers import VOCAB, bernoulli_decide, check_idle, make_prompts
+from routing_helpers import (
+    VOCAB,
+    Flaky,
+    FlakyModel,
+    FlakyRouter,
+    bernoulli_decide,
+    check_exact,
+    check_idle,
+    make_prompts,
+)
 
 from tokencache_routing import (
     BernoulliRouter,
@@ -29,55 +37,6 @@ MODES = [("tokencache", "events"), ("naive", "events"), ("tokencache", "threaded
 def snapshot(eng: RoutedEngine) -> tuple[Any, ...]:
     sides = [(s.pool.available, s.cached_size(), s.pinned_size()) for s in eng.sides]
     return (*sides, eng.stats.tokens, eng.stats.steps, len(eng.sched.waiting))
-
-
-def check_exact(eng: RoutedEngine, pair: Any, router: BernoulliRouter, n: int = 3) -> None:
-    prompts = make_prompts(n, seed=77, shared=4)
-    res = eng.generate(prompts, 6)
-    ref, _ = reference_generate(*pair, prompts, 6, bernoulli_decide(router))
-    assert res.tokens == ref
-    check_idle(eng)
-
-
-class Flaky:
-    """Raises `error` on calls for which `when(call_index)` is true."""
-
-    def __init__(self, fn: Callable[..., Any], when: Callable[[int], bool], error: Any) -> None:
-        self.fn, self.when, self.error, self.calls = fn, when, error, 0
-
-    def __call__(self, *a: Any, **k: Any) -> Any:
-        i = self.calls
-        self.calls += 1
-        if self.when(i):
-            raise self.error
-        return self.fn(*a, **k)
-
-
-class FlakyModel:
-    """A CausalLM whose forward (its device work, execute) fails at chosen calls (everything
-    else delegated)."""
-
-    def __init__(self, model: Any, when: Callable[[int], bool], error: Any) -> None:
-        self._model = model
-        self._call = Flaky(model.execute, when, error)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def __call__(self, *a: Any, **k: Any) -> Any:
-        return self._model(*a, **k)
-
-    def execute(self, *a: Any, **k: Any) -> Any:
-        return self._call(*a, **k)
-
-
-class FlakyRouter(Router):
-    def __init__(self, inner: Router, when: Callable[[int], bool], error: Any) -> None:
-        self.inner = inner
-        self.call = Flaky(inner.route, when, error)
-
-    def route(self, f: Any) -> Any:
-        return self.call(f)
 
 
 # ---------------------------------------------------------------- item 1: concurrent callers
