@@ -17,7 +17,9 @@ from .model import CausalLM, ForwardOutput
 
 
 @dataclass
-class Request:
+class GreedyRequest:
+    """One GreedyRunner request (not the routing engine's state.Request)."""
+
     tokens: list[int]  # every token whose K/V is in `slots`, then the pending ones
     slots: torch.Tensor  # int64, K/V of tokens[:len(slots)]
     pending: list[int] = field(default_factory=list)  # tokens not yet run through the model
@@ -29,7 +31,7 @@ class GreedyRunner:
         self.model = model
         self.pool = pool
         self.attention_backend = attention_backend
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, GreedyRequest] = {}
         self._refs = torch.zeros(pool.num_slots, dtype=torch.int32)
         self._next_id = 0
 
@@ -51,7 +53,9 @@ class GreedyRunner:
             self._refs[slots] += 1
         rid = self._next_id
         self._next_id += 1
-        self.requests[rid] = Request(tokens=prompt, slots=slots, pending=prompt[slots.numel() :])
+        self.requests[rid] = GreedyRequest(
+            tokens=prompt, slots=slots, pending=prompt[slots.numel() :]
+        )
         return rid
 
     def step(self, rids: Sequence[int]) -> ForwardOutput:

@@ -249,11 +249,11 @@ def run(
         **charge,
     )
     # Prime both trees with every system prompt (a server's steady state), then measure.
-    eng.sched.router = ScriptedRouter(every=True)
+    eng.router = ScriptedRouter(every=True)
     primes = [eng.submit(s, 1, route_key=-1 - k) for k, s in enumerate(systems)]
     for h in primes:
         h.wait()
-    eng.sched.router = router
+    eng.router = router
     start, clock0 = eng.stats.copy(), eng.now()
     t0 = time.perf_counter()
     handles = [eng.submit(q, max_new, route_key=i) for i, q in enumerate(prompts)]

@@ -178,20 +178,20 @@ class Breakdown:
 class StepTrace:
     """Records a RoutedEngine's counters after each iteration of its event loop.
 
-    Forwards are priced by the engine's own `_cost` (the engine keeps no per-forward clock
-    cost), wrapped on this instance only: the trace sums what it returns per model."""
+    Forwards are priced by the engine's own `forward_cost` (the engine keeps no per-forward
+    clock cost), wrapped on this instance only: the trace sums what it returns per model."""
 
     def __init__(self, eng: Any) -> None:
         self.eng = eng
         self.forward = [0.0, 0.0]  # clock seconds of small / large forwards so far
-        inner: Callable[..., float] = eng._cost
+        inner: Callable[..., float] = eng.forward_cost
 
         def priced(kind: int, prep: Any, measured_s: float) -> float:
             cost = inner(kind, prep, measured_s)
             self.forward[kind] += cost
             return cost
 
-        setattr(eng, "_cost", priced)  # noqa: B010 (an instance attribute shadows the method)
+        setattr(eng, "forward_cost", priced)  # noqa: B010 (an instance attribute shadows the method)
         self.samples: list[Sample] = []
         self._base = 0
 

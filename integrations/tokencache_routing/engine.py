@@ -48,6 +48,8 @@ from .state import (
     GREEDY,
     LARGE,
     SMALL,
+    Driver,
+    DriverEngine,
     GenerateResult,
     Request,
     RequestHandle,
@@ -140,7 +142,6 @@ class RoutedEngine:
         page_size = _positive_int("page_size", page_size)
         self.mode = mode
         self.dispatch = dispatch
-        self.router = router
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.topology = topology
@@ -191,8 +192,8 @@ class RoutedEngine:
         self._next_rid = 0
         self._drive_lock = threading.Lock()  # one inline driver at a time
         self._driver_lock = threading.Lock()  # starting / stopping driver threads
-        self._driver: Any = None  # a thread (events) or workers.ThreadedDriver
-        self._retired: Any = None  # the last driver that decided to stop (may still be exiting)
+        self._driver: Driver | None = None  # _EventLoopThread (events) or ThreadedDriver
+        self._retired: Driver | None = None  # the last one that decided to stop (may be exiting)
         self._persistent = False  # start() was called: the driver runs until shutdown()
         self._closed = False
         self._current: list[RequestHandle] = []  # the latest stream: abort(int) indexes it
@@ -222,6 +223,17 @@ class RoutedEngine:
     @property
     def sched_config(self) -> SchedulerConfig:
         return self.sched.cfg
+
+    @property
+    def router(self) -> Router:
+        """The router the scheduler asks after each small step; assigning one swaps it for
+        the steps to come (the bench primes its trees with ScriptedRouter(every=True))."""
+        return self.sched.router
+
+    @router.setter
+    def router(self, router: Router) -> None:
+        with self.sched.lock:
+            self.sched.router = router
 
     def pools(self) -> tuple[KVPool, KVPool]:
         return self.small.pool, self.large.pool
@@ -283,7 +295,7 @@ class RoutedEngine:
         with self._inbox_lock:
             pending = list(self._inbox)
         for r in pending + self.sched.active() + list(self.sched.waiting):
-            self._abort_request(r)
+            self.abort_request(r)
         for driver in drivers:
             driver.wake()
             driver.join(timeout)
@@ -383,7 +395,7 @@ class RoutedEngine:
         finally:
             for r in reqs:
                 if r.finished_reason is None:
-                    self._abort_request(r)
+                    self.abort_request(r)
             self._flush_aborts()
             self._join_idle_driver()
 
@@ -464,7 +476,9 @@ class RoutedEngine:
         if live:
             self._ensure_driver()
 
-    def _abort_request(self, r: Request) -> bool:
+    def abort_request(self, r: Request) -> bool:
+        """RequestDriver interface (RequestHandle.abort): r is aborted at the driver's next
+        iteration; False when it already finished, is ending or was aborted."""
         with r.cond:
             if r.finished_reason is not None or r.ending is not None or r.abort_requested:
                 return False
@@ -553,7 +567,11 @@ class RoutedEngine:
             self._retired, self._driver = self._driver, None
             return True
 
-    def _wait(self, r: Request, timeout: float | None) -> bool:
+    # ---------------------------------------------------------------- RequestDriver
+
+    def wait_request(self, r: Request, timeout: float | None) -> bool:
+        """RequestDriver interface (RequestHandle.wait): True once r finished, False after
+        `timeout` seconds; drives the engine inline when no driver thread does."""
         deadline = None if timeout is None else time.perf_counter() + timeout
         while r.finished_reason is None:
             left = None if deadline is None else deadline - time.perf_counter()
@@ -562,7 +580,9 @@ class RoutedEngine:
             self._progress(lambda: r.finished_reason is not None, left)
         return True
 
-    def _wait_for_progress(self, r: Request, seen: int) -> None:
+    def wait_for_progress(self, r: Request, seen: int) -> None:
+        """RequestDriver interface (iterating a RequestHandle): more tokens than `seen`, the
+        end, or a short wait."""
         self._progress(lambda: len(r.tokens) > seen or r.finished_reason is not None)
 
     def _progress(self, ready: Any, timeout: float | None = None) -> None:
@@ -583,6 +603,18 @@ class RoutedEngine:
                 time.sleep(step / 4)  # another thread's requests, or nothing yet
         else:
             time.sleep(step / 4)
+
+    def iterate_exclusive(self) -> bool:
+        """Driver interface (the event-loop thread): iterate() under the drive lock, so no
+        inline driver (_progress) runs beside it."""
+        with self._drive_lock:
+            return self.iterate()
+
+    def drain_exclusive(self) -> None:
+        """Driver interface (the event-loop thread, exiting): the aborts left applied and a
+        pending step finished, under the drive lock."""
+        with self._drive_lock:
+            self._flush_aborts(force=True)
 
     def intake(self) -> None:
         """Driver interface: submitted requests enter the scheduler (under its lock)."""
@@ -686,9 +718,11 @@ class RoutedEngine:
         )
         return s.launch_due(waited_out, own_device=self.topology == "two-devices")
 
-    def _cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
-        """The forward's device cost on the engine clock. Every dispatch (tokencache, naive,
-        naive-sglang) is priced here, on the same modelled runner. A GPU clock whose runner
+    def forward_cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
+        """The forward's device cost on the engine clock (measured_s: its measured device
+        time), called once per launched forward; a tool may wrap it on an instance to see each
+        price (bench_workloads.StepTrace). Every dispatch (tokencache, naive, naive-sglang) is
+        priced here, on the same modelled runner. A GPU clock whose runner
         reads shared prefixes once gets the forward's prefix groups and their traffic
         (GpuClock.prefix_of_host, recorded on prep for the stats); finding them is host work
         the modelled runner does too, so it is timed with the step's host time."""
@@ -765,7 +799,7 @@ class RoutedEngine:
             if not isinstance(e, Exception):
                 raise
             return None
-        device = self._cost(kind, prep, dt)  # the clock's own grouping is host work too
+        device = self.forward_cost(kind, prep, dt)  # the clock's own grouping is host work too
         host = timer() - h0 - prep.execute_host_s
         return _Launched(kind, prep, dt, device, host, self._tree_s() - tree0)
 
@@ -941,7 +975,7 @@ def _put_index(q: queue.SimpleQueue[int], i: int, _handle: RequestHandle) -> Non
 class _EventLoopThread:
     """start(): the event loop in a background thread, sleeping while there is no work."""
 
-    def __init__(self, eng: RoutedEngine) -> None:
+    def __init__(self, eng: DriverEngine) -> None:
         self.eng = eng
         self.event = threading.Event()
         self.thread = threading.Thread(target=self.run, name="tokencache-events", daemon=True)
@@ -962,12 +996,9 @@ class _EventLoopThread:
         eng = self.eng
         while True:
             self.event.clear()
-            with eng._drive_lock:
-                worked = eng.iterate()
-            if worked:
+            if eng.iterate_exclusive():
                 continue
             if eng.closed or eng.driver_should_exit():
-                with eng._drive_lock:
-                    eng._flush_aborts(force=True)
+                eng.drain_exclusive()
                 return
             self.event.wait(0.5)

@@ -28,14 +28,24 @@ TABLE_WIDTH = 4096
 
 
 class ModelSide:
+    """One model's side: its model, KV pool, slot table and bookkeeping timers, and its prefix
+    cache, a tokencache RadixTree (`tree`). A side over another prefix cache (SGLangSide in
+    naive_sglang.py) builds the rest with `_setup` and overrides the cache methods below
+    (evict, cached_prefix_len, cached_size, pinned_size, check_invariants)."""
+
     def __init__(
         self, name: str, model: CausalLM, pool: KVPool, page_size: int = 1, events: bool = False
     ) -> None:
+        self._setup(name, model, pool, page_size)
+        # events: the tree records stored / removed pages (take_events), for KV-event publishers
+        self.tree = tokencache.RadixTree(page_size=page_size, enable_events=events)
+
+    def _setup(self, name: str, model: CausalLM, pool: KVPool, page_size: int) -> None:
+        """Everything but the prefix cache."""
         self.name = name
         self.model = model
         self.pool = pool
-        # events: the tree records stored / removed pages (take_events), for KV-event publishers
-        self.tree = tokencache.RadixTree(page_size=page_size, enable_events=events)
+        self.page_size = page_size  # the prefix cache's page (the scheduler's hold-back reads it)
         # A tensor-parallel model's table also records its writes for the worker ranks.
         self.table = make_slot_table(
             model, TABLE_ROWS, min(TABLE_WIDTH, pool.num_slots), pool, max_width=pool.num_slots
@@ -92,6 +102,10 @@ class ModelSide:
 
     def pinned_size(self) -> int:
         return int(self.tree.protected_size())
+
+    def check_invariants(self) -> None:
+        """The prefix cache's own consistency check (raises when broken)."""
+        self.tree.check_invariants()
 
     def idle_invariant(self) -> bool:
         """At idle every slot is free or cached in the tree, nothing is pinned and no slot-table

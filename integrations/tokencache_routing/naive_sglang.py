@@ -107,15 +107,13 @@ class PoolAllocator:
 
 
 class SGLangSide(ModelSide):
-    """A model side whose prefix cache is SGLang's RadixCache over this side's KVPool.
-
-    ``self.tree`` (the tokencache tree the base class builds) stays empty and unused.
-    """
+    """A model side whose prefix cache is SGLang's RadixCache over this side's KVPool
+    (``cache``); it builds no tokencache tree (``tree`` is not set)."""
 
     def __init__(
         self, name: str, model: CausalLM, pool: KVPool, page_size: int = 1, events: bool = False
     ) -> None:
-        super().__init__(name, model, pool, page_size)  # SGLang's cache records its own
+        self._setup(name, model, pool, page_size)  # no tokencache tree; events: SGLang's own
         sgl = sglang_api()
         self.allocator = PoolAllocator(pool, lambda: self.timer())
         self.cache = sgl.RadixCache(
@@ -126,7 +124,6 @@ class SGLangSide(ModelSide):
                 page_size=page_size,
             )
         )
-        self.page_size = page_size
 
     def evict(self, n: int) -> int:
         free0 = self.allocator.free_s
@@ -136,8 +133,7 @@ class SGLangSide(ModelSide):
         return int(res.num_tokens_evicted)
 
     def cached_prefix_len(self, tokens: np.ndarray) -> int:
-        """What SGLang's cache holds of tokens (the scheduler's hold-back asks; the tokencache
-        tree the base class builds is empty here and would always answer 0)."""
+        """What SGLang's cache holds of tokens (the scheduler's hold-back asks)."""
         with self.bookkeeping("match"):
             m = self.cache.match_prefix(_SGL.MatchPrefixParams(key=_key(tokens)))  # type: ignore[union-attr]
         return int(m.device_prefix_len)
@@ -147,6 +143,12 @@ class SGLangSide(ModelSide):
 
     def pinned_size(self) -> int:
         return int(self.cache.protected_size())
+
+    def check_invariants(self) -> None:
+        """SGLang's cache keeps its own sizes: evictable + protected == total."""
+        c = self.cache
+        if c.evictable_size() + c.protected_size() != c.total_size():
+            raise AssertionError("SGLang RadixCache: evictable + protected != total")
 
 
 class NaiveSGLangKV(NaiveKV):

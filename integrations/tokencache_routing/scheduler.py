@@ -267,7 +267,7 @@ class Scheduler:
         if self.admit_blocked and self.active():
             return
         self.admit_blocked = False
-        small_page = self.sides[SMALL].tree.page_size
+        small_page = self.sides[SMALL].page_size
         held: list[Request] = []
         while self.waiting and len(self.active()) < cfg.max_admitted:
             r = self.waiting.popleft()
@@ -484,7 +484,7 @@ class Scheduler:
             batch, rest, held = list(self.parked), list[Request](), list[Request]()
         else:
             cap = self.cfg.max_large_batch or len(self.parked)
-            page = self.sides[LARGE].tree.page_size
+            page = self.sides[LARGE].page_size
             cached = self._cached_len(LARGE)
             batch, rest, held = take_catchup_batch(self.parked, cap, LARGE, page, cached)
         self.parked = rest

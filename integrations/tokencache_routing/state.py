@@ -1,5 +1,8 @@
 """The types the scheduler, both drivers and the public API share: a request's state, its
-sampling parameters, the caller's handle on it, and the engine's counters."""
+sampling parameters, the caller's handle on it, the engine's counters, and the interfaces
+between the engine and its drivers and handles (RequestDriver, Driver, DriverEngine: typed
+Protocols that RoutedEngine, the event-loop thread and workers.ThreadedDriver implement;
+docs/ARCHITECTURE.md draws them)."""
 
 from __future__ import annotations
 
@@ -8,13 +11,14 @@ import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     from .clock import PrefixRead
-    from .kv import KVHandle
+    from .kv import KVHandle, ModelSide
+    from .scheduler import Scheduler
 
 SMALL, LARGE = 0, 1
 # Why a request ended: max_new_tokens reached, an eos/stop token, RequestHandle.abort(), or an
@@ -155,10 +159,92 @@ class Request:
         return None
 
 
+class RequestDriver(Protocol):
+    """What a RequestHandle asks of its engine (RoutedEngine implements it): each call drives
+    the engine inline when no driver thread does."""
+
+    def wait_request(self, r: Request, timeout: float | None) -> bool:
+        """Blocks until r finished or `timeout` seconds passed; True when it finished."""
+        ...
+
+    def abort_request(self, r: Request) -> bool:
+        """Marks r aborted (the driver releases it at its next iteration); False when it had
+        already finished, was ending or was aborted."""
+        ...
+
+    def wait_for_progress(self, r: Request, seen: int) -> None:
+        """Returns once r has more than `seen` tokens or finished, or after a short wait."""
+        ...
+
+
+class Driver(Protocol):
+    """What the engine asks of a driver: the threads that run its scheduler (engine.py's
+    event-loop thread after start(), workers.ThreadedDriver with mode="threaded"). A driver
+    calls only DriverEngine on the engine."""
+
+    def start(self) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    def wake(self) -> None:
+        """New work, an abort or shutdown: look again now."""
+        ...
+
+    def join(self, timeout: float) -> None: ...
+
+
+class DriverEngine(Protocol):
+    """The driver interface: the engine as a driver sees it (RoutedEngine implements it). A
+    driver takes `sched.lock` to schedule and commit, runs forwards outside it, calls notify
+    outside it, and exits when idle and driver_should_exit() (or closed) says so."""
+
+    @property
+    def sched(self) -> Scheduler: ...
+
+    @property
+    def sides(self) -> tuple[ModelSide, ModelSide]: ...
+
+    @property
+    def overlap(self) -> bool:
+        """Overlapped scheduling: the next small step is launched before the last one is
+        finished on the host."""
+        ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def intake(self) -> None:
+        """Under the scheduler lock: submitted requests enter the scheduler."""
+        ...
+
+    def has_submissions(self) -> bool: ...
+
+    def notify(self, reqs: list[Request]) -> None:
+        """Outside the scheduler lock: wakes waiters and runs listeners."""
+        ...
+
+    def now(self) -> float:
+        """The engine clock, stamped on delivered tokens."""
+        ...
+
+    def driver_should_exit(self) -> bool:
+        """An idle driver asks (outside the scheduler lock): True retires it."""
+        ...
+
+    def iterate_exclusive(self) -> bool:
+        """The event loop's driver: one iteration, no inline driver beside it; False when
+        there was nothing to do."""
+        ...
+
+    def drain_exclusive(self) -> None:
+        """The event loop's driver, exiting: the aborts left applied, a pending step finished."""
+        ...
+
+
 class RequestHandle:
     """The caller's view of a submitted request (RoutedEngine.submit). Thread-safe."""
 
-    def __init__(self, req: Request, engine: Any) -> None:
+    def __init__(self, req: Request, engine: RequestDriver) -> None:
         self._req = req
         self._engine = engine
         req.handle = self
@@ -206,12 +292,12 @@ class RequestHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the request finished (drives the engine when nothing else does)."""
-        return bool(self._engine._wait(self._req, timeout))
+        return self._engine.wait_request(self._req, timeout)
 
     def abort(self) -> bool:
         """Stops the request: no token is delivered after this returns; its KV is released at
         the engine's next iteration. False when it had already finished."""
-        return bool(self._engine._abort_request(self._req))
+        return self._engine.abort_request(self._req)
 
     def tokens_since(self, start: int) -> tuple[list[int], list[int]]:
         """(tokens, models) delivered from index `start` on: O(new tokens), for listeners."""
@@ -242,7 +328,7 @@ class RequestHandle:
             if batch:
                 yield from batch
             else:
-                self._engine._wait_for_progress(self._req, i)
+                self._engine.wait_for_progress(self._req, i)
 
     def __repr__(self) -> str:
         state = self.finished_reason or "running"

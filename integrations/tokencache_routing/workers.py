@@ -12,27 +12,28 @@ longest-waiting first, and the batch cap makes the most recently stepped request
 
 Memory: make-room evicts, then preempts the newest idle request; when only the other worker's
 busy requests could free memory, the worker waits for that forward to end.
+
+The driver sees the engine through state.DriverEngine only (the driver interface), and the
+engine sees it as a state.Driver (start, alive, wake, join).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .batch import PreparedForward
 from .scheduler import WaitForMemory
-
-if TYPE_CHECKING:
-    from .engine import RoutedEngine
+from .state import LARGE, SMALL, DriverEngine
 
 _POLL_S = 0.05  # a waiting worker looks again at least this often
 
 
 class ThreadedDriver:
-    def __init__(self, eng: RoutedEngine) -> None:
+    def __init__(self, eng: DriverEngine) -> None:
         self.eng = eng
         self.sched = eng.sched
         self.cv = threading.Condition(self.sched.lock)
@@ -40,9 +41,9 @@ class ThreadedDriver:
         # One GPU: the large model's forwards go on a second CUDA stream so the two models'
         # kernels can overlap (on two devices each has its own default stream anyway).
         self.streams: list[Any] = [None, None]
-        large_dev = eng.large.model.device
+        large_dev = eng.sides[LARGE].model.device
         # The real placement, not the event loop's clock topology.
-        self.own_device = large_dev != eng.small.model.device
+        self.own_device = large_dev != eng.sides[SMALL].model.device
         if large_dev.type == "cuda" and not self.own_device:
             self.streams[1] = torch.cuda.Stream(device=large_dev)  # type: ignore[no-untyped-call]
         self.pending: PreparedForward | None = None  # the small step launched, not finished

@@ -1,6 +1,9 @@
-"""The integrations' import graph: no cycles between modules, and the layers point one way
+"""The integrations' import graph: no cycles between modules (over all of them, and within
+tokencache_routing and tokencache_models each), and the layers point one way
 (tokencache_models never imports the routing engine, the server or the SGLang backend; the
-routing engine never imports the server).
+routing engine never imports the server). And no module but engine.py reaches into
+RoutedEngine's underscore members: the others use its public API and the typed interfaces in
+tokencache_routing/state.py (RequestDriver, DriverEngine).
 
 Read with ast from the source, so it sees imports inside functions too (a deferred import is
 still a dependency); imports under `if TYPE_CHECKING:` are left out (annotations only)."""
@@ -120,3 +123,82 @@ def test_layers_point_one_way(lower: str, upper: str) -> None:
 def test_the_check_sees_a_planted_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize(
+    ("package", "least"), [("tokencache_routing", 20), ("tokencache_models", 20)]
+)
+def test_package_has_no_cycles(package: str, least: int) -> None:
+    """Within one package, its __init__ (re-exports) left out: no module leads back to itself."""
+    graph = {
+        m: {d for d in deps if d.startswith(package + ".")}
+        for m, deps in _graph().items()
+        if m.startswith(package + ".")
+    }
+    assert len(graph) >= least  # the walk found the modules
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+ENGINE = ROOT / "tokencache_routing" / "engine.py"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _engine_private_members(source: str) -> set[str]:
+    """RoutedEngine's underscore methods and the underscore attributes it sets on self."""
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RoutedEngine")
+    names = {
+        n.name
+        for n in cls.body
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(n.name)
+    }
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            and _private(node.attr)
+        ):
+            names.add(node.attr)
+    return names
+
+
+def _private_reaches(source: str, private: set[str]) -> list[tuple[int, str]]:
+    """(line, name) for each use of one of `private` on anything but self: an attribute
+    (x._name) or a name given to getattr / setattr / hasattr / delattr."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append((node.lineno, node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in private
+        ):
+            found.append((node.lineno, str(node.args[1].value)))
+    return sorted(found)
+
+
+def test_no_module_reaches_into_the_engine() -> None:
+    private = _engine_private_members(ENGINE.read_text())
+    assert {"_drive_lock", "_inbox", "_flush_aborts", "_pending"} <= private  # the walk works
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if path != ENGINE
+        for line, name in _private_reaches(path.read_text(), private)
+    ]
+    assert not wrong, "RoutedEngine's private members used outside engine.py: " + ", ".join(wrong)
+
+
+def test_the_check_sees_a_planted_reach() -> None:
+    private = {"_wait", "_cost"}
+    planted = "h._engine._wait(r)\nself._wait()\nsetattr(eng, '_cost', f)\n"
+    assert _private_reaches(planted, private) == [(1, "_wait"), (3, "_cost")]

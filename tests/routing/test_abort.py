@@ -7,9 +7,7 @@ import threading
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide
-from test_threaded import no_worker_threads
+from routing_helpers import bernoulli_decide, make_prompts, no_worker_threads
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
 from tokencache_routing.scheduler import SchedulerConfig

@@ -8,8 +8,7 @@ import itertools
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide, check
+from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, reference_generate
 from tokencache_routing.scheduler import SchedulerConfig

@@ -9,8 +9,7 @@ import importlib.util
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_failures import check_idle
+from routing_helpers import check_idle, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
 

@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide, check
+from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, ScriptedRouter
 from tokencache_routing.batch import take_catchup_batch
@@ -145,7 +144,7 @@ def test_a_cached_prompt_holds_nobody_back(pair: Any) -> None:
     assert cold.stats.held_back > 0
     warm = RoutedEngine(*pair, ScriptedRouter(default=[0, 1]), 1024)
     warm.generate([system], 1)  # cached in both models (escalated at its first token)
-    warm.sched.router = ScriptedRouter(default=[1])
+    warm.router = ScriptedRouter(default=[1])
     before = (warm.stats.held_back, warm.stats.large_held_back)
     warm.generate(prompts, 4)
     assert (warm.stats.held_back, warm.stats.large_held_back) == before == (0, 0)

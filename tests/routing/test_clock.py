@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide
+from routing_helpers import bernoulli_decide, make_prompts
 
 from tokencache_models import (
     MIN_SHARED_PREFIX,
@@ -572,10 +571,10 @@ def run_primed(
     eng = RoutedEngine(*pair, router, 2048, clock=clock, dispatch=dispatch, overlap=False)
     for side in eng.sides:
         side.timer = _no_time
-    eng.sched.router = ScriptedRouter(every=True)
+    eng.router = ScriptedRouter(every=True)
     for k, system in enumerate(systems):
         eng.submit(system, 1, route_key=-1 - k).wait()
-    eng.sched.router = router
+    eng.router = router
     start = eng.stats.copy()
     res = eng.generate(prompts, 8)
     assert eng.idle_invariant()

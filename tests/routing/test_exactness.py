@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
-from routing_helpers import make_prompts
+from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import (
     BernoulliRouter,
@@ -19,31 +18,6 @@ from tokencache_routing.reference import decide_from_models
 from tokencache_routing.scheduler import SchedulerConfig
 
 DISPATCH = ["tokencache", "naive"]
-
-
-def bernoulli_decide(router: BernoulliRouter) -> Any:
-    return lambda rid, pos: bool(router.decide(np.array([rid]), np.array([pos]))[0])
-
-
-def check(
-    pair: Any,
-    router: Any,
-    decide: Any,
-    prompts: list[list[int]],
-    max_new: int,
-    **kw: Any,
-) -> Any:
-    small, large = pair
-    eng = RoutedEngine(small, large, router, **kw)
-    res = eng.generate(prompts, max_new)
-    ref_tokens, ref_models = reference_generate(small, large, prompts, max_new, decide)
-    assert res.tokens == ref_tokens
-    assert res.models == ref_models
-    assert eng.idle_invariant()
-    for side in eng.sides:
-        assert side.tree.protected_size() == 0
-        side.tree.check_invariants()
-    return eng, res
 
 
 @pytest.mark.parametrize("dispatch", DISPATCH)

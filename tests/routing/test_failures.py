@@ -6,14 +6,20 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from routing_helpers import VOCAB, make_prompts
-from test_exactness import bernoulli_decide
-from test_threaded import no_worker_threads
+from routing_helpers import (
+    VOCAB,
+    Flaky,
+    FlakyModel,
+    FlakyRouter,
+    bernoulli_decide,
+    check_exact,
+    check_idle,
+    make_prompts,
+)
 
 from tokencache_routing import (
     BernoulliRouter,
@@ -28,68 +34,9 @@ from tokencache_routing import (
 MODES = [("tokencache", "events"), ("naive", "events"), ("tokencache", "threaded")]
 
 
-def check_idle(eng: RoutedEngine) -> None:
-    """Every slot free or cached, nothing pinned, trees consistent, no worker left."""
-    assert eng.idle_invariant()
-    for side in eng.sides:
-        assert side.pool.available + side.cached_size() == side.pool.num_slots
-        assert side.pinned_size() == 0
-        side.tree.check_invariants()
-    assert no_worker_threads()
-
-
 def snapshot(eng: RoutedEngine) -> tuple[Any, ...]:
     sides = [(s.pool.available, s.cached_size(), s.pinned_size()) for s in eng.sides]
     return (*sides, eng.stats.tokens, eng.stats.steps, len(eng.sched.waiting))
-
-
-def check_exact(eng: RoutedEngine, pair: Any, router: BernoulliRouter, n: int = 3) -> None:
-    prompts = make_prompts(n, seed=77, shared=4)
-    res = eng.generate(prompts, 6)
-    ref, _ = reference_generate(*pair, prompts, 6, bernoulli_decide(router))
-    assert res.tokens == ref
-    check_idle(eng)
-
-
-class Flaky:
-    """Raises `error` on calls for which `when(call_index)` is true."""
-
-    def __init__(self, fn: Callable[..., Any], when: Callable[[int], bool], error: Any) -> None:
-        self.fn, self.when, self.error, self.calls = fn, when, error, 0
-
-    def __call__(self, *a: Any, **k: Any) -> Any:
-        i = self.calls
-        self.calls += 1
-        if self.when(i):
-            raise self.error
-        return self.fn(*a, **k)
-
-
-class FlakyModel:
-    """A CausalLM whose forward (its device work, execute) fails at chosen calls (everything
-    else delegated)."""
-
-    def __init__(self, model: Any, when: Callable[[int], bool], error: Any) -> None:
-        self._model = model
-        self._call = Flaky(model.execute, when, error)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def __call__(self, *a: Any, **k: Any) -> Any:
-        return self._model(*a, **k)
-
-    def execute(self, *a: Any, **k: Any) -> Any:
-        return self._call(*a, **k)
-
-
-class FlakyRouter(Router):
-    def __init__(self, inner: Router, when: Callable[[int], bool], error: Any) -> None:
-        self.inner = inner
-        self.call = Flaky(inner.route, when, error)
-
-    def route(self, f: Any) -> Any:
-        return self.call(f)
 
 
 # ---------------------------------------------------------------- item 1: concurrent callers
@@ -199,7 +146,7 @@ def test_router_error_releases_pins(pair: Any, dispatch: str, mode: str) -> None
     with pytest.raises(ValueError, match="router failed"):
         eng.generate(make_prompts(5, seed=66, shared=9), 12)
     check_idle(eng)
-    eng.router = eng.sched.router = inner
+    eng.router = inner
     check_exact(eng, pair, inner)
 
 
@@ -211,7 +158,7 @@ def test_keyboard_interrupt_mid_stream(pair: Any, dispatch: str, mode: str) -> N
     with pytest.raises(KeyboardInterrupt):
         eng.generate(make_prompts(5, seed=67, shared=6), 12)
     check_idle(eng)
-    eng.router = eng.sched.router = inner
+    eng.router = inner
     check_exact(eng, pair, inner)
 
 
@@ -497,5 +444,5 @@ def test_listener_error_ends_that_request_alone(pair: Any, dispatch: str, mode: 
         assert handles[i].finished_reason == "length"
         assert (handles[i].tokens, handles[i].models) == (ref[i], ref_models[i])
     assert eng.idle_invariant()
-    eng.router = eng.sched.router = BernoulliRouter(0.0)
+    eng.router = BernoulliRouter(0.0)
     check_exact(eng, pair, eng.router)

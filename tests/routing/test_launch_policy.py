@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide, check
+from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter
 from tokencache_routing.scheduler import SchedulerConfig

@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide
+from routing_helpers import bernoulli_decide, make_prompts
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, SchedulerConfig, reference_generate
+from tokencache_routing import (
+    BernoulliRouter,
+    RoutedEngine,
+    SchedulerConfig,
+    ScriptedRouter,
+    reference_generate,
+)
 
 
 @pytest.mark.parametrize("mode", ["events", "threaded"])
@@ -78,3 +83,15 @@ def test_model_devices_can_be_named(pair: Any) -> None:
     assert eng.generate(prompts, 5).tokens == ref
     with pytest.raises(RuntimeError):
         RoutedEngine(*pair, router, 256, large_device="no-such-device")
+
+
+def test_router_is_swapped_through_the_engine(pair: Any) -> None:
+    """RoutedEngine.router is the scheduler's: assigning it changes what the next steps ask."""
+    first = BernoulliRouter(0.3, seed=23)
+    eng = RoutedEngine(*pair, first, 256)
+    assert eng.router is first is eng.sched.router
+    everything = ScriptedRouter(every=True)
+    eng.router = everything
+    assert eng.sched.router is everything
+    res = eng.generate(make_prompts(2, seed=83), 4)
+    assert all(m == [1] * 4 for m in res.models)  # every token escalated: the new router ran

@@ -12,9 +12,7 @@ import threading
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide
-from test_failures import check_idle
+from routing_helpers import bernoulli_decide, check_idle, make_prompts
 
 from tokencache_models import HostBatch
 from tokencache_routing import (

@@ -9,8 +9,7 @@ import itertools
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide
+from routing_helpers import bernoulli_decide, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, reference_generate
 from tokencache_routing.scheduler import Scheduler, SchedulerConfig

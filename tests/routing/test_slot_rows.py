@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide, check
+from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter
 from tokencache_routing.kv import CursorKV

@@ -3,19 +3,13 @@ position), so thread timing changes batches, never tokens: output equals the no-
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
-from routing_helpers import make_prompts
-from test_exactness import bernoulli_decide, check
+from routing_helpers import bernoulli_decide, check, make_prompts, no_worker_threads
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, Router, ScriptedRouter
 from tokencache_routing.scheduler import SchedulerConfig
-
-
-def no_worker_threads() -> bool:
-    return not any(t.name.startswith("tokencache-") for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("p,seed", [(0.1, 0), (0.3, 1), (0.5, 2), (0.2, 3)])
