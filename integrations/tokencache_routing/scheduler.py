@@ -20,6 +20,7 @@ from tokencache_models import ForwardOutput
 from .batch import (
     PreparedForward,
     attach_all,
+    chunk_ends,
     overlaps_prefill,
     prepare_forward,
     take_catchup_batch,
@@ -54,7 +55,20 @@ class SchedulerConfig:
     idle and anything is parked (those three knobs do not apply). The naive dispatchers ignore
     the delay: a synchronous barrier sends every parked request each step. A first catch-up
     that shares a prompt page with another in the same batch is held for the next batch, never
-    longer."""
+    longer.
+    Chunked prefill: a small step computes at most chunked_prefill_size tokens and a catch-up
+    at most large_chunked_prefill_size (None: chunked_prefill_size; 0: no budget), as
+    SGLang's chunked_prefill_size / vLLM's max_num_batched_tokens. Decode rows go first, the
+    rest of the budget to prefills and catch-ups in the scheduler's order (batch.chunk_ends);
+    a request whose chunk stops short of its last token commits the chunk's KV and keeps its
+    place (running, or parked: a catch-up finishes before its request rejoins the small model)
+    for the next step, where it goes on; only its last chunk samples. Default 2048 (vLLM's
+    long-standing default; SGLang's for small GPUs): on the h200-roofline clock a step of
+    Qwen3-0.6B costs the same with a 2048-token chunk beside 31 decode rows at 6.6k context as
+    without it (8 ms, the KV read hides the chunk's FLOPs), and any chunk of 256 tokens or more
+    is compute-bound already (a bigger one saves nothing); a 2048-token catch-up chunk of
+    Qwen3-8B costs 51 ms, a one-device stall that a smaller large_chunked_prefill_size
+    shortens (BENCHMARKS.md, "Chunked prefill")."""
 
     max_running: int = 32
     min_large_batch: int = 1
@@ -63,9 +77,14 @@ class SchedulerConfig:
     max_wait_s: float = 0.0
     max_parked: int | None = None
     min_occupancy: float = 0.8
+    chunked_prefill_size: int = 2048
+    large_chunked_prefill_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_running", self.max_running, 1)
+        _check_int("chunked_prefill_size", self.chunked_prefill_size, 0)
+        if self.large_chunked_prefill_size is not None:
+            _check_int("large_chunked_prefill_size", self.large_chunked_prefill_size, 0)
         _check_int("min_large_batch", self.min_large_batch, 1)
         _check_int("max_wait_steps", self.max_wait_steps, 0)
         if self.max_large_batch is not None:
@@ -78,6 +97,11 @@ class SchedulerConfig:
         o = self.min_occupancy
         if isinstance(o, bool) or not isinstance(o, (int, float)) or not 0 <= o <= 1:
             raise ValueError(f"SchedulerConfig.min_occupancy must be in [0, 1], got {o!r}")
+
+    def token_budget(self, kind: int) -> int:
+        """The most tokens one forward of that model computes (0: no budget)."""
+        large = self.large_chunked_prefill_size
+        return self.chunked_prefill_size if kind == SMALL or large is None else large
 
     @property
     def max_admitted(self) -> int:
@@ -156,7 +180,9 @@ class Scheduler:
         return len(self.running) + sum(1 for r in self.busy if r.busy_model == SMALL)
 
     def launch_due(self, waited_out: bool, own_device: bool) -> bool:
-        """SchedulerConfig.launch_large on this scheduler's state (both drivers ask it)."""
+        """SchedulerConfig.launch_large on this scheduler's state (both drivers ask it). A
+        catch-up whose last chunk has not run yet goes on at once."""
+        waited_out = waited_out or any(r.partial_prefill for r in self.parked)
         return self.cfg.launch_large(
             len(self.parked), waited_out, self.num_on_small(), len(self.active()), own_device
         )
@@ -301,7 +327,7 @@ class Scheduler:
         self._remove(r)
         self._release(r)
         r.kv = []
-        r.held_catchup = False
+        r.held_catchup = r.partial_prefill = False
         self.waiting.appendleft(r)
         self.stats.preemptions += 1
         # No re-admission until a request finishes: otherwise two requests can keep preempting
@@ -309,11 +335,11 @@ class Scheduler:
         self.admit_blocked = True
 
     def make_room(self, side: ModelSide, batch: list[Request], kind: int) -> None:
-        """Evict cached KV, then preempt the newest requests, until the batch's tokens fit.
-        Raises WaitForMemory when only busy requests (the other model's forward) could give
-        memory back, MemoryError when nothing can."""
+        """Evict cached KV, then preempt the newest requests, until the batch's tokens (this
+        step's chunks) fit. Raises WaitForMemory when only busy requests (the other model's
+        forward) could give memory back, MemoryError when nothing can."""
         while batch:
-            need = tokens_needed(batch, kind)
+            need = tokens_needed(batch, kind, self.cfg.token_budget(kind))
             if side.pool.available >= need:
                 return
             side.evict(need - side.pool.available)
@@ -331,20 +357,30 @@ class Scheduler:
                 batch.remove(victim)
             self.preempt(victim)
 
-    def _prepare(self, batch: list[Request], kind: int) -> PreparedForward | None:
-        """Attach, make room and allocate; the batch becomes busy. On an allocator or tree
-        error the batch fails (released), never leaks."""
+    def _prepare(
+        self, batch: list[Request], kind: int, deferred: list[Request]
+    ) -> PreparedForward | None:
+        """Attach, make room and allocate; the batch becomes busy. Requests the token budget
+        gives nothing this step leave the batch for `deferred` (the caller lists them again).
+        On an allocator or tree error the batch fails (released), never leaks."""
         side = self.sides[kind]
         try:
             attach_all(batch, kind)
             self.make_room(side, batch, kind)
+            ends = chunk_ends(batch, kind, self.cfg.token_budget(kind))
+            run = [e > r.kv[kind].length for r, e in zip(batch, ends, strict=True)]
+            if not all(run):
+                deferred += [r for r, go in zip(batch, run, strict=True) if not go]
+                ends = [e for e, go in zip(ends, run, strict=True) if go]
+                batch[:] = [r for r, go in zip(batch, run, strict=True) if go]
             if not batch:
                 return None
-            prep = prepare_forward(side, batch, kind)
+            prep = prepare_forward(side, batch, kind, ends)
         except WaitForMemory:
             raise
         except Exception as e:
-            self.fail(batch, e)
+            self.fail(batch + deferred, e)
+            deferred.clear()
             return None
         for r in batch:
             r.busy_model = kind
@@ -367,11 +403,13 @@ class Scheduler:
             return None
         chosen = {id(r) for r in batch}
         self.running = [r for r in self.running if id(r) not in chosen]
+        deferred: list[Request] = []  # left out by the token budget: next step, first
         try:
-            prep = self._prepare(batch, SMALL)
+            prep = self._prepare(batch, SMALL, deferred)
         except WaitForMemory:
             self.running += batch
             raise
+        self.running += deferred
         if prep is not None:
             for r in prep.batch:  # after a memory wait they keep their turn
                 r.last_small_step = self.stats.steps
@@ -384,7 +422,8 @@ class Scheduler:
 
     def finish_small(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:
         """Commit the KV, route, then per request: park (escalated), append its token, or
-        finish. Returns the escalated requests."""
+        finish; a request whose prefill chunk stopped short only commits its KV and steps
+        again. Returns the escalated requests."""
         st = self.stats
         self._unbusy(prep.batch)
         parked: list[Request] = []
@@ -392,7 +431,9 @@ class Scheduler:
             prep.commit()
             st.steps += 1
             st.small_tokens += prep.num_tokens
-            tok, escalate, failed = route_step(self.router, out, prep.batch)
+            self.running += self._partial(prep)
+            batch, out = prep.complete(out)
+            tok, escalate, failed = route_step(self.router, out, batch)
         except BaseException as e:
             self.abandon(prep, e)
             if not isinstance(e, Exception):
@@ -412,7 +453,7 @@ class Scheduler:
                 self.running.append(r)
 
         try:
-            self._each(prep.batch, step)
+            self._each(batch, step)
         finally:
             self.parked += parked
         return parked
@@ -431,24 +472,30 @@ class Scheduler:
             cached = self._cached_len(LARGE)
             batch, rest, held = take_catchup_batch(self.parked, cap, LARGE, page, cached)
         self.parked = rest
+        deferred: list[Request] = []  # left out by the token budget: the next catch-up's
         try:
-            prep = self._prepare(batch, LARGE)
+            prep = self._prepare(batch, LARGE, deferred)
         except WaitForMemory:
             for r in held:  # not launched: they were not held behind a computed prefill
                 r.held_catchup = False
             self.parked = batch + self.parked
             raise
+        self.parked = deferred + self.parked
         if prep is not None:
             self.stats.large_held_back += len(held)
         return prep
 
     def finish_large(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:
-        """Commit the catch-up and each request's large token; returns those that go on."""
+        """Commit the catch-up and each request's large token; returns those that go on. A
+        request whose catch-up chunk stopped short stays parked (first in line) for the next
+        catch-up: it rejoins the small model once its last chunk ran."""
         st = self.stats
         self._unbusy(prep.batch)
         try:
             prep.commit()
-            drawn, failed = sample(out.logits, prep.batch)
+            self.parked[:0] = self._partial(prep)
+            batch, out = prep.complete(out)
+            drawn, failed = sample(out.logits, batch)
             tokens = drawn.tolist()
         except BaseException as e:
             self.abandon(prep, e)
@@ -469,7 +516,7 @@ class Scheduler:
                 back.append(r)
 
         try:
-            self._each(prep.batch, step)
+            self._each(batch, step)
         except BaseException:
             self.running += back  # the driver never sees them: they step on from here
             raise
@@ -481,6 +528,18 @@ class Scheduler:
         self._unbusy(prep.batch)
         prep.discard()
         self.fail(prep.batch, error)
+
+    def _partial(self, prep: PreparedForward) -> list[Request]:
+        """The requests of a committed forward whose chunk stopped short of their last token
+        (marked partial_prefill, the others unmarked): they go on at the next step."""
+        out = []
+        for r, short in zip(prep.batch, prep.incomplete.tolist(), strict=True):
+            r.partial_prefill = short
+            if short:
+                out.append(r)
+        if out:
+            self.stats.prefill_chunks += len(out)
+        return out
 
     def _unbusy(self, batch: Sequence[Request]) -> None:
         for r in batch:
