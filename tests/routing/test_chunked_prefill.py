@@ -42,6 +42,14 @@ class Recorder:
         self.open: set[int] = set()  # rids whose catch-up has run some chunks, not the last
         s = eng.sched
         inner_small, inner_large = s.finish_small, s.finish_large
+        inner_schedule = s.schedule_small
+        self.schedules = 0
+
+        def schedule_small() -> Any:  # a scheduler that stops making progress fails, not hangs
+            self.schedules += 1
+            if self.schedules > 20_000:
+                raise RuntimeError("the small model's scheduler spins without progress")
+            return inner_schedule()
 
         def finish_small(prep: Any, out: Any, now: float) -> Any:
             self._record(SMALL, prep)
@@ -58,6 +66,7 @@ class Recorder:
             return back
 
         s.finish_small, s.finish_large = finish_small, finish_large  # type: ignore[method-assign]
+        s.schedule_small = schedule_small  # type: ignore[method-assign]
 
     def _record(self, kind: int, prep: Any) -> None:
         rids = [r.rid for r in prep.batch]
@@ -240,29 +249,41 @@ def test_shared_prefix_held_back_while_it_is_chunked(pair: Any) -> None:
 # ---------------------------------------------------------------- decode rows never stall
 
 
+@pytest.mark.parametrize("long_first", [False, True])
 @pytest.mark.parametrize("budget", [8, 16])
-def test_decode_rows_never_stalled_by_a_long_prompt(pair: Any, budget: int) -> None:
-    """A long prompt arrives while two requests decode: every small step computes at most
-    `budget` tokens and holds both decoding requests while the long prefill runs."""
+def test_decode_rows_never_stalled_by_a_long_prompt(
+    pair: Any, budget: int, long_first: bool
+) -> None:
+    """A long prompt arrives while two requests decode (or first, the two then ahead of it
+    in no order): every small step computes at most `budget` tokens, and once the two
+    decode, every step of the long prefill holds both."""
     small, large = pair
     sched = SchedulerConfig(max_running=4, chunked_prefill_size=budget)
     eng = RoutedEngine(small, large, ScriptedRouter(), 1024, scheduler=sched)
     rec = Recorder(eng)
     short = make_prompts(2, seed=50, lo=3, hi=5)
     long = make_prompts(1, seed=51, lo=150, hi=150)[0]
+    if long_first:
+        hl = eng.submit(long, 4, route_key=2)
     hs = [eng.submit(q, 60, route_key=i) for i, q in enumerate(short)]
-    for _ in range(3):
-        eng.iterate()
-    hl = eng.submit(long, 4, route_key=2)
+    if not long_first:
+        for _ in range(3):
+            eng.iterate()
+        hl = eng.submit(long, 4, route_key=2)
     while eng.iterate():
         pass
     assert all(h.finished_reason == "length" for h in [*hs, hl])
     small_fw = [(rids, q, sh) for k, rids, q, sh in rec.forwards if k == SMALL]
-    prefill = [(rids, q, sh) for rids, q, sh in small_fw if hl.rid in sh]
-    assert len(prefill) >= 150 // budget - 1
     for _, q, _ in small_fw:
         assert sum(q) <= budget
-    for rids, _, _ in prefill:
+    # The first step after which both short requests decode (their prefills done).
+    decoding = max(
+        next(i for i, (rids, _, sh) in enumerate(small_fw) if h.rid in rids and h.rid not in sh)
+        for h in hs
+    )
+    prefill = [rids for rids, _, sh in small_fw[decoding + 1 :] if hl.rid in sh]
+    assert len(prefill) >= 150 // budget - 2
+    for rids in prefill:
         assert hs[0].rid in rids and hs[1].rid in rids
     ref, _ = reference_generate(small, large, [*short, long], 60, lambda r, p: False)
     assert [h.tokens for h in hs] == ref[:2] and hl.tokens == ref[2][:4]
