@@ -382,3 +382,22 @@ def test_fault_injection_soak_chunked(pair: Any, dispatch: str, mode: str) -> No
         pool.alloc = real  # type: ignore[method-assign]
         flaky_small._call.when = flaky_large._call.when = lambda i: False
         check_exact(eng, pair, inner)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7])
+@pytest.mark.parametrize("num_slots", [512, 64])
+def test_naive_sglang_chunked_exact(pair: Any, budget: int, num_slots: int) -> None:
+    """The naive protocol through SGLang's own RadixCache with the same budget: exact, and
+    nothing left in its cache pinned (a split catch-up keeps its lock until its last chunk)."""
+    from tokencache_routing.naive_sglang import sglang_api
+
+    sglang_api()  # sglang missing fails this test (as test_naive_sglang.py), never skips it
+    router = BernoulliRouter(0.3, seed=budget)
+    prompts = make_prompts(5, seed=60 + budget, shared=11, lo=4, hi=18)
+    eng, _, rec = run_checked(
+        pair, router, bernoulli_decide(router), prompts, 10, budget,
+        num_slots=num_slots, dispatch="naive-sglang",
+    )  # fmt: skip
+    assert any(short for k, _, _, short in rec.forwards if k == LARGE)
+    for side in eng.sides:
+        assert side.cache.protected_size() == 0  # type: ignore[attr-defined]
