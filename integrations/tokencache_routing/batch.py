@@ -59,7 +59,9 @@ def take_catchup_batch(
     making its first forward in this model (handle not attached) that shares at least a page of
     uncached prefix with another one being attached in this batch is held for the next batch,
     where it matches the first one's KV in the tree instead of prefilling the prefix again. A
-    request held once is never held again (no starvation); parked order is kept."""
+    request held once is not held again (no starvation), unless behind a catch-up split in
+    chunks (partial_prefill) that has not passed the shared prefix yet: that one is first in
+    line and advances every catch-up; parked order is kept."""
     batch: list[Request] = []
     rest: list[Request] = []
     held: list[Request] = []
@@ -67,8 +69,8 @@ def take_catchup_batch(
         if len(batch) >= cap:
             rest.append(r)
         elif (
-            r.held_catchup
-            or r.kv[kind].attached
+            r.kv[kind].attached
+            or (r.held_catchup and not any(q.partial_prefill for q in batch))
             or not overlaps_prefill(r, batch, kind, page_size, cached)
         ):
             r.held_catchup = False

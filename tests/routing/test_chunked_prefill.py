@@ -401,3 +401,26 @@ def test_naive_sglang_chunked_exact(pair: Any, budget: int, num_slots: int) -> N
     assert any(short for k, _, _, short in rec.forwards if k == LARGE)
     for side in eng.sides:
         assert side.cache.protected_size() == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+@pytest.mark.parametrize("large_budget", [5, 16])
+def test_shared_prompt_caught_up_once_in_chunks(pair: Any, mode: str, large_budget: int) -> None:
+    """First catch-ups sharing a prompt prefix meet in one batch: the first one's catch-up is
+    split in chunks, the others wait until it has passed the shared prefix, then match it in
+    the large tree: the large model computes the shared prompt once."""
+    n, shared, at = 5, 24, 3
+    base = make_prompts(1, seed=40, shared=shared, lo=0, hi=0)[0]
+    prompts = [[*base, (7 * i + 1) % VOCAB, (3 * i + 5) % VOCAB, i % VOCAB] for i in range(n)]
+    router = ScriptedRouter({i: [at] for i in range(n)})
+    sched = SchedulerConfig(
+        max_running=8, min_large_batch=n, max_wait_steps=100, max_wait_s=30.0, min_occupancy=0
+    )
+    _, res, _ = run_checked(
+        pair, router, router.decide, prompts, 8, 0, large_budget,
+        num_slots=1024, scheduler=sched, mode=mode,
+    )  # fmt: skip
+    st = res.stats
+    assert st.escalations == n and st.preemptions == 0
+    written = sum(len(p) + at for p in prompts)
+    assert sum(st.catchup_tokens) == written - (n - 1) * shared
