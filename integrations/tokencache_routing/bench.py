@@ -320,7 +320,10 @@ def run(
         shareable = longest_common_prefix(seqs)
         longest = max((pre.longest for pre in prefixes), default=0)
         assert longest <= shareable, "a forward shared more than its tokens"
-        least = gpu.least_kv_read(1, sum(kvs), sum(sizes), shareable)
+        # One row per catch-up of a request, its whole context: a catch-up split in chunks
+        # also read its earlier chunks' rows, which a schedule without chunks does not.
+        rows_done = sum(sizes) - st.catchup_partial_rows
+        least = gpu.least_kv_read(1, sum(kvs) - st.catchup_partial_kv_tokens, rows_done, shareable)
         floor = gpu.floor_s(1, sum(toks), least)
         # Catch-ups that read a prefix once, and how many groups they read at most.
         shared_catchups = sum(1 for pre in prefixes if pre.groups)

@@ -538,7 +538,11 @@ class Scheduler:
             if short:
                 out.append(r)
         if out:
-            self.stats.prefill_chunks += len(out)
+            st = self.stats
+            st.prefill_chunks += len(out)
+            if prep.side is self.sides[LARGE]:
+                st.catchup_partial_rows += len(out)
+                st.catchup_partial_kv_tokens += int(prep.kv_lens[prep.incomplete].sum())
         return out
 
     def _unbusy(self, batch: Sequence[Request]) -> None:

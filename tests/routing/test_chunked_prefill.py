@@ -183,12 +183,17 @@ def test_long_catchups_split_small_unchunked(pair: Any, topology: str, large_bud
     router = ScriptedRouter({0: [2], 1: [0, 5], 2: [3], 3: [1, 2, 7]})
     prompts = make_prompts(4, seed=31, shared=9, lo=10, hi=30)
     sched = SchedulerConfig(max_running=4, min_large_batch=1)
-    _, _, rec = run_checked(
+    _, res, rec = run_checked(
         pair, router, router.decide, prompts, 10, 0, large_budget,
         num_slots=1024, scheduler=sched, topology=topology, large_step_cost=2.0,
     )  # fmt: skip
     assert not any(short for k, _, _, short in rec.forwards if k == SMALL)
-    assert any(short for k, _, _, short in rec.forwards if k == LARGE)
+    large_short = [len(short) for k, _, _, short in rec.forwards if k == LARGE]
+    st = res.stats
+    assert st.catchup_partial_rows == sum(large_short) == st.prefill_chunks > 0
+    # Without the partial rows: one row per catch-up of a request (its escalations).
+    assert sum(st.catchup_batch_sizes) - st.catchup_partial_rows == st.escalations
+    assert 0 < st.catchup_partial_kv_tokens < sum(st.catchup_kv_tokens)
     # Between two chunks of one catch-up the small model stepped the other requests.
     kinds = [k for k, _, _, _ in rec.forwards]
     assert any(
