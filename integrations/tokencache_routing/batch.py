@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from tokencache_models import DeferredTokens, ForwardOutput, HostBatch
 
@@ -26,21 +27,22 @@ def overlaps_prefill(
     cached: Callable[[Request], int] | None = None,
 ) -> bool:
     """True when r shares at least a page of prefix that is not cached yet with a request
-    whose prefill in this model has not run yet, or runs now (overlap: launched, not
-    committed): admitted together, both would prefill it (the duplicate freed afterwards), so r
-    waits one step and then matches the first one's KV in the tree instead. cached(r): how much
-    of r the tree already holds (asked only on an overlap)."""
+    whose prefill in this model has not run yet (or, chunked, not that far yet), or runs now
+    (overlap: launched, not committed): admitted together, both would prefill it (the
+    duplicate freed afterwards), so r waits and then matches the first one's KV in the tree
+    instead. cached(r): how much of r the tree already holds (asked only on an overlap)."""
     known = -1
     for q in running:
         m = min(r.n, q.n) - 1  # attach matches seq[:-1]
-        if m < page_size:
-            continue
         h = q.kv[kind] if q.kv else None
-        if h is not None and h.attached and h.length >= m:  # its KV there is committed
+        # Attached, q's KV is committed up to h.length (chunked prefill: maybe part of its
+        # prompt; overlap: not what its step in flight computes)
+        done = h.length if h is not None and h.attached else 0
+        if m < page_size or done >= m:
             continue
         diff = np.flatnonzero(r.seq[:m] != q.seq[:m])
         common = diff[0] if len(diff) else m
-        if common < page_size:
+        if common < page_size or common <= done:
             continue
         if known < 0:
             known = cached(r) if cached is not None else 0
@@ -60,7 +62,9 @@ def take_catchup_batch(
     making its first forward in this model (handle not attached) that shares at least a page of
     uncached prefix with another one being attached in this batch is held for the next batch,
     where it matches the first one's KV in the tree instead of prefilling the prefix again. A
-    request held once is never held again (no starvation); parked order is kept."""
+    request held once is not held again (no starvation), unless behind a catch-up split in
+    chunks (partial_prefill) that has not passed the shared prefix yet: that one is first in
+    line and advances every catch-up; parked order is kept."""
     batch: list[Request] = []
     rest: list[Request] = []
     held: list[Request] = []
@@ -68,8 +72,8 @@ def take_catchup_batch(
         if len(batch) >= cap:
             rest.append(r)
         elif (
-            r.held_catchup
-            or r.kv[kind].attached
+            r.kv[kind].attached
+            or (r.held_catchup and not any(q.partial_prefill for q in batch))
             or not overlaps_prefill(r, batch, kind, page_size, cached)
         ):
             r.held_catchup = False
@@ -89,12 +93,52 @@ def attach_all(batch: Sequence[Request], kind: int) -> None:
             h.attach(r.seq[: r.n])
 
 
-def tokens_needed(batch: Sequence[Request], kind: int, ahead: Collection[int] = ()) -> int:
-    """New KV slots a forward over batch needs in this model: every token not in its KV yet,
-    or one for a request that continues an in-flight forward (its id in ahead)."""
-    if not ahead:
-        return sum(r.n - r.kv[kind].length for r in batch)
-    return sum(1 if id(r) in ahead else r.n - r.kv[kind].length for r in batch)
+def chunk_ends(
+    batch: Sequence[Request],
+    kind: int,
+    budget: int,
+    starts: Sequence[int] | None = None,
+    fulls: Sequence[int] | None = None,
+) -> list[int]:
+    """Chunked prefill: per request (attached), the end of this step's tokens in r.seq, so the
+    step computes at most `budget` tokens (0: no budget, every request's end is its full end).
+    A row's pending tokens run from its start (its KV's length, or starts[i]) to its full end
+    (r.n, or fulls[i]: a row continuing a step in flight has one, its deferred token).
+    Decode rows (one pending token) go first, in batch order; the rest of the budget goes to
+    the longer rows (prefills, catch-ups) in batch order, the last one it reaches taking a
+    chunk of its tokens. A row the budget does not reach ends where it starts (no tokens this
+    step: the scheduler leaves it out). Progress: when decode rows alone would take the whole
+    budget, one token of it is kept for the first longer row, so a budget smaller than the
+    batch never starves a prefill."""
+    first = [r.kv[kind].length for r in batch] if starts is None else list(starts)
+    full = [r.n for r in batch] if fulls is None else list(fulls)
+    if budget <= 0:
+        return full
+    ends = list(first)
+    decode = [i for i, (a, b) in enumerate(zip(first, full, strict=True)) if b - a == 1]
+    longer = [i for i, (a, b) in enumerate(zip(first, full, strict=True)) if b - a > 1]
+    left = budget
+    for i in decode[: budget - 1 if longer else budget]:
+        ends[i] += 1
+        left -= 1
+    for i in longer:
+        if left <= 0:
+            break
+        take = min(full[i] - first[i], left)
+        ends[i] += take
+        left -= take
+    return ends
+
+
+def tokens_needed(
+    batch: Sequence[Request], kind: int, budget: int = 0, ahead: Collection[int] = ()
+) -> int:
+    """New KV slots the batch's next forward takes (its chunks under a budget); a request
+    continuing a step in flight (its id in ahead) takes one, its deferred token."""
+    starts = [0 if id(r) in ahead else r.kv[kind].length for r in batch]
+    fulls = [1 if id(r) in ahead else r.n for r in batch]
+    ends = chunk_ends(batch, kind, budget, starts, fulls)
+    return sum(e - a for a, e in zip(starts, ends, strict=True))
 
 
 @dataclass
@@ -117,6 +161,9 @@ class PreparedForward:
     tokens: np.ndarray
     new_slots: np.ndarray
     host: HostBatch  # the forward over the side's slot-table rows (new slots already in them)
+    # Per request: its chunk stops short of its last pending token (chunked prefill): the
+    # chunk's KV is committed, nothing is sampled, routed or delivered for it this step.
+    incomplete: np.ndarray
     done: bool = False
     # Overlap: the in-flight forward this one continues, which rows do (ahead) and their rows
     # there (source); dropped once committed, so no chain of forwards stays referenced.
@@ -158,14 +205,21 @@ class PreparedForward:
 
     def launch(self, router: Router | None = None) -> float:
         """run(), the draw of each row's next token and (a small step: router given) the
-        router's answers, all enqueued on the device before anything else is, their copies to
-        the host under way (read when the step is finished, waiting for this step only);
-        returns the forward's device time as run()."""
+        router's answers for the rows whose last chunk ran, all enqueued on the device before
+        anything else is, their copies to the host under way (read when the step is finished,
+        waiting for this step only); returns the forward's device time as run()."""
         out, dt = self.run()
         self.out = out
         self.drawn = draw(out.logits, self.batch, self.kv_lens)
         if router is not None:
-            self.decided = route(router, out, self.batch, self.drawn, self.kv_lens)
+            rows, sel = self.complete(out)
+            tokens = self.drawn.tokens
+            if len(rows) < len(self.batch):
+                tokens = tokens[
+                    torch.from_numpy(np.flatnonzero(~self.incomplete)).to(tokens.device)
+                ]
+            index = self.kv_lens[~self.incomplete]
+            self.decided = route(router, sel, rows, tokens, index)
         return dt
 
     def live(self) -> list[bool]:
@@ -173,6 +227,16 @@ class PreparedForward:
         return [
             i not in self.dropped and r.finished_reason is None for i, r in enumerate(self.batch)
         ]
+
+    def complete(self, out: ForwardOutput) -> tuple[list[Request], ForwardOutput]:
+        """The requests whose last chunk ran (every request, unless a chunk stopped short)
+        and their rows of the output: what is sampled and routed."""
+        if not self.incomplete.any():
+            return self.batch, out
+        rows = np.flatnonzero(~self.incomplete)
+        idx = torch.from_numpy(rows).to(out.logits.device)
+        sel = ForwardOutput(logits=out.logits[idx], hidden=out.hidden[idx.to(out.hidden.device)])
+        return [self.batch[i] for i in rows], sel
 
     def commit(self) -> None:
         """The live rows' handles extended in one call (duplicates of cached tokens freed by
@@ -218,19 +282,21 @@ def prepare_forward(
     side: ModelSide,
     batch: Sequence[Request],
     kind: int,
+    chunk: Sequence[int] | None = None,
     after: PreparedForward | None = None,
     source: np.ndarray | None = None,
 ) -> PreparedForward:
-    """A forward over every request's tokens not yet in this model's KV (room already made).
-    O(batch + new tokens): the new slots are appended to the requests' slot-table rows, which
-    the runner reads in place; nothing is copied per context token.
+    """A forward over every request's tokens not yet in this model's KV (room already made),
+    or, chunked, over r.seq[length:end] for chunk's end per request (chunk_ends; each end past
+    its start). O(batch + new tokens): the new slots are appended to the requests' slot-table
+    rows, which the runner reads in place; nothing is copied per context token.
     after / source: row i with source[i] >= 0 continues row source[i] of the in-flight forward
     `after`: one new token, at the place after that row's, whose id is `after`'s draw (still on
     the device: the runner resolves it)."""
     n = len(batch)
     handles = [r.kv[kind] for r in batch]
     starts = np.fromiter((h.length for h in handles), np.int64, n)
-    ends = np.fromiter((r.n for r in batch), np.int64, n)
+    full = np.fromiter((r.n for r in batch), np.int64, n)
     rows = np.fromiter((h.row for h in handles), np.int64, n)
     ahead = dest = src = None
     if after is not None and source is not None:
@@ -238,13 +304,16 @@ def prepare_forward(
         dest = np.flatnonzero(ahead)
         src = source[dest]
         starts[dest] = after.kv_lens[src]
-        ends[dest] = starts[dest] + 1
+        full[dest] = starts[dest] + 1
+    ends = full if chunk is None else np.asarray(chunk, dtype=np.int64)
     q_lens = ends - starts
     q_off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=q_off[1:])
     total = int(q_off[-1])
-    if total == n:  # decode: each request's last token at its last position
-        tokens = np.fromiter((r.seq[r.n - 1] for r in batch), np.int64, n)
+    if total == n:  # decode: each request's one token at its last position
+        tokens = np.fromiter(
+            (r.seq[e - 1] for r, e in zip(batch, ends.tolist(), strict=True)), np.int64, n
+        )
         positions, token_rows = starts, rows
     else:
         tokens = np.concatenate([r.seq[s:e] for r, s, e in zip(batch, starts, ends, strict=True)])
@@ -253,7 +322,9 @@ def prepare_forward(
     new_slots = side.alloc(total)
     side.table.scatter(token_rows, positions, new_slots)
     host = HostBatch.from_table(side.table, rows, tokens, positions, new_slots, q_off, ends)
-    prep = PreparedForward(side, list(batch), handles, q_off, ends, tokens, new_slots, host)
+    prep = PreparedForward(
+        side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full
+    )
     if after is not None and dest is not None and src is not None and len(dest):
         assert after.drawn is not None, "the forward continued from was not launched"
         tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)

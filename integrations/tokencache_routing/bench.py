@@ -217,6 +217,15 @@ def run(
         clock = GpuClock(*names, profile=a.profile, shared_prefix=shared_prefix)
     if mode == "threaded":
         clock = "measured"
+    # Chunked prefill: --chunked-prefill / --large-chunked-prefill (None: SchedulerConfig's)
+    chunking = {
+        k: v
+        for k, v in (
+            ("chunked_prefill_size", getattr(a, "chunked_prefill", None)),
+            ("large_chunked_prefill_size", getattr(a, "large_chunked_prefill", None)),
+        )
+        if v is not None
+    }
     sched = SchedulerConfig(
         max_running=a.max_running,
         min_large_batch=a.min_large_batch,
@@ -224,6 +233,7 @@ def run(
         max_wait_s=a.max_wait_ms / 1e3,
         min_occupancy=a.min_occupancy,
         max_parked=a.max_parked,
+        **chunking,
     )
     # Each system prompt once, each admitted request's own tokens, room for the cache to work.
     systems = system_prompts_of(prompts, shared)
@@ -290,6 +300,19 @@ def run(
     sizes, toks, kvs = st.catchup_batch_sizes, st.catchup_tokens, st.catchup_kv_tokens
     prefixes = st.catchup_shared_prefix
     extra: dict[str, Any] = {"topology": eng.topology, "system_prompts": len(systems)}
+    extra["chunked_prefill"] = [sched.token_budget(0), sched.token_budget(1)]
+    extra["prefill_chunks"] = st.prefill_chunks
+    # The gaps before the small model's tokens: what other requests' prefills and catch-ups
+    # cost a decoding request, without its own escalations' waits (the large model's tokens).
+    small_gaps = [
+        b - a_
+        for h in handles
+        for (a_, b), m in zip(itertools.pairwise(h.token_times), h.models[1:], strict=True)
+        if m == 0
+    ]
+    extra["tpot_small_p50_ms"] = 1e3 * percentile(small_gaps, 0.5)
+    extra["tpot_small_p99_ms"] = 1e3 * percentile(small_gaps, 0.99)
+    extra["tpot_small_max_ms"] = 1e3 * max(small_gaps, default=float("nan"))
     extra["host_charge"] = getattr(eng, "host_charge", "trees")
     extra["overlap"] = bool(getattr(eng, "overlap", False))
     large_s, floor = st.large_forward_s, 0.0
@@ -301,7 +324,10 @@ def run(
         shareable = longest_common_prefix(seqs)
         longest = max((pre.longest for pre in prefixes), default=0)
         assert longest <= shareable, "a forward shared more than its tokens"
-        least = gpu.least_kv_read(1, sum(kvs), sum(sizes), shareable)
+        # One row per catch-up of a request, its whole context: a catch-up split in chunks
+        # also read its earlier chunks' rows, which a schedule without chunks does not.
+        rows_done = sum(sizes) - st.catchup_partial_rows
+        least = gpu.least_kv_read(1, sum(kvs) - st.catchup_partial_kv_tokens, rows_done, shareable)
         floor = gpu.floor_s(1, sum(toks), least)
         # Catch-ups that read a prefix once, and how many groups they read at most.
         shared_catchups = sum(1 for pre in prefixes if pre.groups)
@@ -520,6 +546,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-parked", type=int, default=None, help="SchedulerConfig's (default: max-running)"
     )
     ap.add_argument("--max-wait-ms", type=float, default=5.0, help="threaded: max wait (ms)")
+    ap.add_argument(
+        "--chunked-prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="SchedulerConfig.chunked_prefill_size: the most tokens a step computes, a long "
+        "prefill or catch-up split across steps (0: off; default: SchedulerConfig's, 2048)",
+    )
+    ap.add_argument(
+        "--large-chunked-prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="SchedulerConfig.large_chunked_prefill_size: the catch-ups' budget (0: off; "
+        "default: --chunked-prefill's)",
+    )
     ap.add_argument("--dispatches", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument(
         "--topology",
@@ -555,6 +597,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.system_prompts < 1:
         ap.error(f"--system-prompts must be >= 1, got {a.system_prompts}")
+    for name in ("chunked_prefill", "large_chunked_prefill"):
+        if (getattr(a, name) or 0) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0 (0: off)")
     for name in ("concurrency", "max_new"):
         if any(v < 1 for v in getattr(a, name) or ()):
             ap.error(f"--{name.replace('_', '-')} values must be >= 1")
@@ -566,6 +611,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.concurrency = a.concurrency or [a.max_running]
     a.progress = True
     return a
+
+
+def chunk_note(rows: Sequence[Row]) -> str:
+    """The token budgets the rows ran with (SchedulerConfig.token_budget, small / large)."""
+    seen = sorted({tuple(r.extra["chunked_prefill"]) for r in rows if "chunked_prefill" in r.extra})
+    if not seen:
+        return "chunked prefill not recorded"
+    parts = [f"{s} / {g}" if s != g else f"{s}" for s, g in seen]
+    return f"chunked prefill {' | '.join(parts)} tokens a step (small / large; 0: off)"
 
 
 def host_note(rows: Sequence[Row]) -> str:
@@ -714,7 +768,7 @@ def report(rows: list[Row], args: dict[str, Any]) -> None:
         f"on this CPU. {n_text}, {'/'.join(map(str, news))} new tokens each, "
         f"min_large_batch {args['min_large_batch']}, max_wait {args['max_wait']} steps, "
         f"min_occupancy {args['min_occupancy']}, topology {args['topology']}, "
-        f"{k} system prompt{'s' if k > 1 else ''}"
+        f"{k} system prompt{'s' if k > 1 else ''}, {chunk_note(rows)}"
     )
     for w in args["workloads"]:
         print(Workload(**w).describe())
@@ -724,6 +778,18 @@ def report(rows: list[Row], args: dict[str, Any]) -> None:
             print(f"\n{wl}, concurrency {c} ({rps * c} requests):")
         print()
         print(table([r for r in rows if (r.workload, r.max_running) == (wl, c)]))
+        chunked = [r for r in rows if (r.workload, r.max_running) == (wl, c)]
+        chunked = [r for r in chunked if "tpot_small_p99_ms" in r.extra]
+        if chunked:
+            print("\nTPOT of the small model's tokens (the gaps escalations' own waits leave out):")
+            for r in chunked:
+                e = r.extra
+                print(
+                    f"  {r.system} p={r.p:.2f} (budget {e['chunked_prefill'][0]} / "
+                    f"{e['chunked_prefill'][1]}, {e['prefill_chunks']} chunked rows): "
+                    f"p50 {e['tpot_small_p50_ms']:.2f} ms, p99 {e['tpot_small_p99_ms']:.2f} ms, "
+                    f"max {e.get('tpot_small_max_ms', float('nan')):.1f} ms"
+                )
     if len(cs) > 1:
         print(sweep_table(rows))
     if len(news) > 1:

@@ -206,17 +206,21 @@ class Decisions:
 
 
 def route(
-    router: Router, out: ForwardOutput, batch: Sequence[Request], drawn: Draw, index: np.ndarray
+    router: Router,
+    out: ForwardOutput,
+    batch: Sequence[Request],
+    tokens: torch.Tensor,
+    index: np.ndarray,
 ) -> Decisions:
-    """The router over one small step's output and draw, as device work where the router's
-    is (index: the place of each row's token in its request, so its generated position is
-    index - prompt length even for a row continuing a step not finished yet). A router may
-    answer with a bool tensor, a numpy array or a list, one entry per request."""
+    """The router over one small step's output and drawn tokens, as device work where the
+    router's is (index: the place of each row's token in its request, so its generated
+    position is index - prompt length even for a row continuing a step not finished yet). A
+    router may answer with a bool tensor, a numpy array or a list, one entry per request."""
     prompt = np.fromiter((r.prompt_len for r in batch), np.int64, len(batch))
     feats = RouterFeatures(
         logits=out.logits,
         hidden=out.hidden,
-        tokens=drawn.tokens,
+        tokens=tokens,
         positions=torch.from_numpy(np.asarray(index, np.int64) - prompt),
         rids=torch.tensor([r.route_key for r in batch], dtype=torch.int64),
     )
@@ -237,7 +241,7 @@ def route_step(
     if drawn is None:
         drawn = draw(out.logits, batch, index)
     if decided is None:
-        decided = route(router, out, batch, drawn, index)
+        decided = route(router, out, batch, drawn.tokens, index)
     escalate = decided.resolve()
     tokens, failed = drawn.resolve(batch)
     return tokens, escalate, failed

@@ -113,6 +113,9 @@ class Request:
         self.admit_order = -1
         self.last_small_step = -1  # the small step that last ran it (or admitted it)
         self.held_catchup = False  # held out of a catch-up batch once: goes in the next one
+        # Chunked prefill: its last forward ran a chunk short of its last pending token (a
+        # prefill on the small model, or a catch-up, which then finishes before it rejoins)
+        self.partial_prefill = False
         # SMALL or LARGE while inside that model's forward running now (threaded driver), else -1
         self.busy_model = -1
         # delivery to the caller
@@ -366,6 +369,11 @@ class Stats:
     dropped_rows: int = 0
     held_back: int = 0  # admissions delayed a step so a shared prefix is prefilled once
     large_held_back: int = 0  # first catch-ups held a batch so a shared prefix is prefilled once
+    prefill_chunks: int = 0  # rows of forwards whose chunk stopped short (chunked prefill)
+    # Of those, the catch-ups' rows and their contexts (catchup_kv_tokens includes them): what
+    # a schedule without chunks would not read (the bench's ceiling leaves them out)
+    catchup_partial_rows: int = 0
+    catchup_partial_kv_tokens: int = 0
     modeled_s: float = 0.0  # engine clock: measured, step units or the GPU cost model
     small_idle_s: float = 0.0  # engine clock time the small model waits for the large one
     small_batch_sizes: list[int] = field(default_factory=list)
