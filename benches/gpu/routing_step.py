@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny configs on CPU (checks the script)")
     a = p.parse_args(argv)
     a.clock, a.profile = "measured", "measured"
-    a.overlap = None  # per row (bench.run reads it): None, the engine's default (on)
+    a.no_overlap = False  # per row (bench.run reads it): the serial path for tokencache
     a.small_shape, a.large_shape = a.small, a.large
     a.topology = "two-devices" if a.two_devices else "one-device"
     a.system_tokens = None  # shared-prompt: the system prompt fills each context
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             continue
         t_row = time.perf_counter()
-        a.overlap = overlap
+        a.no_overlap = overlap is False
         try:
             row = bench.run(system, p, prompts, shared, a.max_new, (small, large), a, a.workload)
         except Exception as e:  # a row that fails says why; the others still run
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             write(result, a)
             continue
         finally:
-            a.overlap = None
+            a.no_overlap = False
         took[system] = time.perf_counter() - t_row
         longest = max(longest, took[system])
         row.system = name

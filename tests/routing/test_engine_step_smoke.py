@@ -52,10 +52,11 @@ def test_smoke_times_the_engine_beside_the_runner_and_the_host_path() -> None:
         serial["host_ms"] / (serial["host_ms"] + serial["device_ms"])
     )
     assert "| 40 | 3 | on |" in proc.stdout and "| 40 | 3 | off |" in proc.stdout
-    assert (
-        "| decode | gpu | on | 3 | 40 |" in proc.stdout
-        and "| catch-up | gpu | on | 10 | 40 |" in proc.stdout
-    )
+    # then the host path (benches/host_path.py) on this CPU, overlap on and off
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert any(x.startswith("| decode | gpu | on |") and "| 3 | 40 |" in x for x in table)
+    assert any(x.startswith("| decode | gpu | off |") and "| 3 | 40 |" in x for x in table)
+    assert any(x.startswith("| catch-up | gpu |") and "| 10 | 40 |" in x for x in table)
 
 
 def test_budget_skips_rows_and_the_host_path() -> None:
