@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             result["wall_s"] = time.monotonic() - t0
             write(result, device, args)
+            gc.collect()  # model <-> graph runner cycles hold the pool and the graphs' memory
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print("\n" + markdown(rows) + "\n", flush=True)
