@@ -134,7 +134,7 @@ def engine_row(
             model,
             model,
             EntropyRouter(math.inf),
-            num_slots=context + batch * (OWN + 2 * steps + 24) + 64,
+            num_slots=context + batch * (OWN + 2 * steps + 48) + 64,
             scheduler=SchedulerConfig(max_running=batch),
             clock="measured",
             overlap=overlap,
@@ -143,7 +143,7 @@ def engine_row(
         vocab = model.config.vocab_size
         shared = torch.randint(0, vocab, (context - OWN,), generator=g).tolist()
         own = torch.randint(0, vocab, (batch, OWN), generator=g).tolist()
-        handles = [eng.submit(shared + o, 2 * steps + 20) for o in own]
+        handles = [eng.submit(shared + o, 2 * steps + 40) for o in own]  # none ends
         while any(len(h.tokens) < 4 for h in handles):  # prefills, graph captures, warm-up
             eng.iterate()
         st = eng.stats
