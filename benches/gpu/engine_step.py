@@ -24,6 +24,11 @@ path). Per row (medians over --steps unless said):
   async_idle_share: 1 - runner_device_ms / engine_ms: about what the device waited for in the
                     back-to-back window (the engine's own device work, sampling and the
                     router's, is a little more than the runner's).
+  readback_ms:      per step of the back-to-back window, the time in the router's call and the
+                    read-back of the drawn tokens (scheduler.route_step), where the host waits
+                    for the device: with overlap, a blocking read on the one stream also waits
+                    for the step queued after it, so readback_ms near runner_device_ms means
+                    the finishing host work does not hide behind the device.
 Target (issue 20): engine_ms within 1.2x of runner_ms with overlap (`ok`; the serial rows are
 there to compare). Then `benches/host_path.py` runs on this machine's CPU (host ms per decode
 step at batch 1..256 x 2k..32k, the device work stubbed) if --budget-s leaves time.
@@ -59,6 +64,7 @@ import torch  # noqa: E402
 
 from tokencache_models import PRESETS, CausalLM, HostBatch, ModelConfig, random_model  # noqa: E402
 from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
+from tokencache_routing import scheduler as routing_scheduler  # noqa: E402
 
 SMOKE_CONFIG = ModelConfig(
     model_type="qwen3",
@@ -165,12 +171,26 @@ def engine_row(
         for s in sides:
             s.sync_cuda = False
         before = st.copy()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.iterate()
-        sync(device)
-        window = time.perf_counter() - t0
+        readback = [0.0]  # time in the step's finish that reads tokens and answers back
+        route_step = routing_scheduler.route_step  # type: ignore[attr-defined]
+
+        def timed_route_step(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return route_step(*a, **k)
+            finally:
+                readback[0] += time.perf_counter() - t
+
+        routing_scheduler.route_step = timed_route_step  # type: ignore[attr-defined]
+        try:
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.iterate()
+            sync(device)
+            window = time.perf_counter() - t0
+        finally:
+            routing_scheduler.route_step = route_step  # type: ignore[attr-defined]
         async_steps = st.since(before).steps
         for s, v in zip(sides, syncs, strict=True):
             s.sync_cuda = v
@@ -199,6 +219,7 @@ def engine_row(
         "clock_ms": per_step(win.modeled_s),
         "device_idle_share": idle / (idle + busy) if idle + busy > 0 else 0.0,
         "async_idle_share": max(0.0, 1.0 - r_dev / e) if e > 0 else 0.0,
+        "readback_ms": 1e3 * readback[0] / max(1, async_steps),
         "steps": [win.steps, async_steps],
         "dropped_rows": both.dropped_rows,
         # every timed step a full decode batch, nothing escalated: the rows mean what they say
@@ -228,8 +249,9 @@ def write(result: dict[str, Any], device: torch.device, args: argparse.Namespace
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = (
         "| L | batch | overlap | engine ms | x runner | synced ms | runner ms | runner device ms "
-        "| host ms | device ms | clock ms | device idle (clock) | device idle (async) | ok |\n"
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "| host ms | device ms | clock ms | device idle (clock) | device idle (async) "
+        "| read-back ms | ok |\n"
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     out = [head]
     for r in rows:
@@ -242,7 +264,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['engine_ms']:.3f} | {r['ratio']:.2f}x | {r['engine_synced_ms']:.3f} "
             f"| {r['runner_ms']:.3f} | {r['runner_device_ms']:.3f} | {r['host_ms']:.3f} "
             f"| {r['device_ms']:.3f} | {r['clock_ms']:.3f} | {100 * r['device_idle_share']:.0f}% "
-            f"| {100 * r['async_idle_share']:.0f}% | {'yes' if r['ok'] else 'NO'} |"
+            f"| {100 * r['async_idle_share']:.0f}% | {r['readback_ms']:.3f} "
+            f"| {'yes' if r['ok'] else 'NO'} |"
         )
     return "\n".join(out)
 
