@@ -70,7 +70,7 @@ routing() { # $1: workload, $2: budget (s) for starting rows, $3: grace (s), $4:
 case "$part" in
   decode) decode 270 330 ;;
   engine) engine 150 210 ;;
-  routing) routing shared-prompt 300 60 390 ;;
+  routing) routing shared-prompt 300 60 390 --contexts 8192 2048 ;;
   reasoning) routing reasoning 380 90 500 ;;
   all)
     rc=0
