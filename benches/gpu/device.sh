@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the device machine (one call, carry [".whl"] from prepare_carry.sh, timeout_s 590):
-#   bash benches/gpu/device.sh all        # or decode / routing (see run_all.sh)
+#   bash benches/gpu/device.sh all   # <= 540 s after the install; or one part, with a longer
+#                                    # budget: decode / engine / routing / reasoning (run_all.sh)
 # Installs the carried wheels into /tmp/site (no network there), then runs run_all.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

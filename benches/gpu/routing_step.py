@@ -5,18 +5,26 @@ Run on a CUDA machine (no network needed):   python benches/gpu/routing_step.py
     --two-devices       small model on cuda:0, large on cuda:1 (when there are two GPUs)
     --workload reasoning  the long-generation workload (issue 25): a 128-token shared system
                         prompt + 128 own tokens, 2048 new tokens per request, 32 requests, p = 0.1;
-                        tokencache, naive-sglang and naive first, then the bounds; per-step
-                        breakdown over the last 128 small steps (tree calls synchronised)
+                        tokencache and naive-sglang first (issue 19's target: >= 5x), then
+                        tokencache without overlap, naive, the bounds; per-step breakdown over
+                        the last 128 small steps (tree calls synchronised)
+    --overlap both|on|off tokencache with overlapped scheduling (RoutedEngine(overlap=True), the
+                        default), without it (the serial path: system "tokencache (serial)"),
+                        or both (default; the serial row right after the target pair)
     --smoke             the same code path on CPU with tiny configs, in seconds
 
 Random bf16 weights at Qwen3-0.6B (small) and Qwen3-8B (large) shapes; a Bernoulli router
-escalates each token with probability p. The workload is the CPU bench's: N = 4 x max_running
-requests, a shared system prompt (primed in both trees) plus each request's own tokens, admitted
-continuously. The engine clock is "measured": forwards and tree calls synchronised on CUDA, so
-each row's tokens/s is this GPU's (the threaded rows: wall time, the two workers overlapping on
-one device through two CUDA streams). Writes $OUT/routing_step.json and, with --results,
-benches/gpu/results/<device>-<date>-routing.json (rows: system, dispatch, p, batch, context,
-tokens_per_s, ...), rewritten after every row so a run cut short keeps its rows. The GPU clock
+escalates each token with probability p. Rows run target first: at p = 0.1, context by context
+in the order given, tokencache and the target's baseline (shared-prompt: naive, issue 19's >=
+1.5x at 8192; reasoning: naive-sglang, >= 5x), tokencache without overlap, the other dispatches;
+then the bounds at each context; then the other rates. The workload is the CPU bench's: N = 4 x
+max_running requests, a shared system prompt (primed in both trees) plus each request's own
+tokens, admitted continuously. The engine clock is "measured": forwards and tree calls
+synchronised on CUDA, so each row's tokens/s is this GPU's (the threaded rows: wall time, the
+two workers overlapping on one device through two CUDA streams). Writes $OUT/routing_step.json
+and, with --results, benches/gpu/results/<device>-<date>-routing.json (rows: system, dispatch,
+overlap, p, batch, context, tokens_per_s, ...; the reasoning workload's files end in
+-reasoning), rewritten after every row so a run cut short keeps its rows. The GPU clock
 is refitted from such files: tokencache_routing.GpuClock.fit(path, small, large).
 """
 
@@ -51,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rates", type=float, nargs="+", default=None, help="0.05 0.1 0.2; reasoning 0.1"
     )
     p.add_argument("--dispatches", nargs="+", choices=bench.SYSTEMS, default=None)
+    p.add_argument(
+        "--overlap",
+        dest="tokencache_overlap",
+        choices=["both", "on", "off"],
+        default="both",
+        help="tokencache with overlapped scheduling, without, or both (default)",
+    )
     p.add_argument("--max-running", type=int, default=32)
     p.add_argument("--max-new", type=int, default=None, help="32; reasoning: 2048")
     p.add_argument("--unique-prompt", type=int, default=None, help="32; reasoning: 128")
@@ -65,14 +80,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--grace-s",
         type=float,
         default=60.0,
-        help="nor one that the longest row so far would carry past budget + this (run_all.sh "
-        "kills the script 70 s after the budget)",
+        help="nor one that its dispatch's last row (else the longest row so far) would carry "
+        "past budget + this (run_all.sh's hard limit is ~10 s beyond)",
     )
-    p.add_argument("--results", action="store_true", help="also write benches/gpu/results/")
+    p.add_argument(
+        "--results",
+        nargs="?",
+        const=str(ROOT / "benches" / "gpu" / "results"),
+        default=None,
+        metavar="DIR",
+        help="also write <device>-<date>-routing*.json there (default: benches/gpu/results/)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny configs on CPU (checks the script)")
     a = p.parse_args(argv)
     a.clock, a.profile = "measured", "measured"
+    a.no_overlap = False  # per row (bench.run reads it): the serial path for tokencache
     a.small_shape, a.large_shape = a.small, a.large
     a.topology = "two-devices" if a.two_devices else "one-device"
     a.system_tokens = None  # shared-prompt: the system prompt fills each context
@@ -129,12 +152,42 @@ def build(a: argparse.Namespace) -> tuple[Any, Any, int]:
 
 def write(result: dict[str, Any], a: argparse.Namespace) -> None:
     text = json.dumps(result, indent=1)
+    tag = "" if a.workload == "shared-prompt" else f"-{a.workload}"
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "routing_step.json").write_text(text)
+        Path(os.environ["OUT"], f"routing_step{tag}.json").write_text(text)
     if a.results:
-        name = f"{result['device_slug']}-{result['date']}-routing.json"
-        (ROOT / "benches" / "gpu" / "results").mkdir(parents=True, exist_ok=True)
-        (ROOT / "benches" / "gpu" / "results" / name).write_text(text)
+        name = f"{result['device_slug']}-{result['date']}-routing{tag}.json"
+        Path(a.results).mkdir(parents=True, exist_ok=True)
+        Path(a.results, name).write_text(text)
+
+
+SERIAL = "tokencache (serial)"  # tokencache without overlapped scheduling
+# The baseline issue 19's target compares tokencache with, per workload: run right after it.
+TARGET_BASELINE = {"shared-prompt": "naive", "reasoning": "naive-sglang"}
+
+
+def plan(a: argparse.Namespace) -> list[tuple[int, float, str, bool | None]]:
+    """The rows in the order they run: (context, p, dispatch or bound, overlap). At the target
+    rate (p = 0.1, else the first), context by context in the order given: tokencache and its
+    target baseline, tokencache without overlap (--overlap both), the other dispatches; then
+    the bounds at each context; then the other rates. overlap: None for the engine's default
+    (on for tokencache), False for the serial path."""
+    base = TARGET_BASELINE.get(a.workload, "naive")
+    lead = [s for s in ("tokencache", base) if s in a.dispatches]
+    settings: dict[str, list[bool | None]] = {"on": [None], "off": [False], "both": [None, False]}
+    tc = settings[a.tokencache_overlap]
+    routed: list[tuple[str, bool | None]] = []
+    if "tokencache" in a.dispatches:
+        routed.append(("tokencache", tc[0]))
+    routed += [(s, None) for s in lead if s != "tokencache"]
+    routed += [("tokencache", o) for o in tc[1:] if "tokencache" in a.dispatches]
+    routed += [(s, None) for s in a.dispatches if s not in lead]
+    first = [p for p in a.rates if p == 0.1] or a.rates[:1]
+    rest = [p for p in a.rates if p not in first]
+    bounds = [(b, None) for b in bench.BOUNDS]
+    jobs = [(ctx, p, s, o) for ctx in a.contexts for p in first for s, o in routed]
+    jobs += [(ctx, 0.0, b, o) for ctx in a.contexts for b, o in bounds]
+    return jobs + [(ctx, p, s, o) for p in rest for ctx in a.contexts for s, o in routed]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,41 +226,46 @@ def main(argv: list[str] | None = None) -> int:
         ctx: bench.make_prompts(n, shared_of[ctx], a.unique_prompt, vocab, a.seed)
         for ctx in a.contexts
     }
-    # The issue's target rate first at every context (bounds included), then the other rates:
-    # a budget that runs out still leaves p = 0.1 measured at 2048 and 8192. Reasoning: the
-    # routed systems first (tokencache beside naive-sglang), the bounds after them.
-    first = [p for p in a.rates if p == 0.1] or a.rates[:1]
-    rest = [p for p in a.rates if p not in first]
-    bounds = [(0.0, b) for b in bench.BOUNDS]
-    routed = [(p, s) for p in first for s in a.dispatches]
-    ordered = routed + bounds if a.workload == "reasoning" else bounds + routed
-    jobs = [(ctx, p, s) for ctx in a.contexts for p, s in ordered] + [
-        (ctx, p, s) for p in rest for ctx in a.contexts for s in a.dispatches
-    ]
-    longest = 0.0  # the longest row so far (s): a row that would overrun is not started
-    for ctx, p, system in jobs:
+    jobs = plan(a)
+    # A row that would overrun is not started: its expected length is the last row of the same
+    # dispatch (tokencache with and without overlap alike), else the longest row so far (s).
+    longest, took = 0.0, dict[str, float]()
+    for ctx, p, system, overlap in jobs:
         shared, prompts = shared_of[ctx], prompts_of[ctx]
+        name = SERIAL if overlap is False else system
         elapsed = time.perf_counter() - t_start
-        if elapsed > a.budget_s or elapsed + longest > a.budget_s + a.grace_s:
-            print(f"budget of {a.budget_s:.0f} s spent: {system} p={p} L={ctx} not run")
+        expect = took.get(system, longest)
+        if elapsed > a.budget_s or elapsed + expect > a.budget_s + a.grace_s:
+            print(f"budget of {a.budget_s:.0f} s spent: {name} p={p} L={ctx} not run")
+            result["rows"].append(
+                {"system": name, "p": p, "context": ctx, "skipped": "time budget"}
+            )
             continue
         t_row = time.perf_counter()
+        a.no_overlap = overlap is False
         try:
             row = bench.run(system, p, prompts, shared, a.max_new, (small, large), a, a.workload)
         except Exception as e:  # a row that fails says why; the others still run
             err = {
-                "system": system,
+                "system": name,
+                "dispatch": system,
                 "p": p,
                 "context": ctx,
                 "error": f"{type(e).__name__}: {e}",
             }
             result["rows"].append(err)
             print(json.dumps(err), flush=True)
+            write(result, a)
             continue
-        longest = max(longest, time.perf_counter() - t_row)
+        finally:
+            a.no_overlap = False
+        took[system] = time.perf_counter() - t_row
+        longest = max(longest, took[system])
+        row.system = name
         rows.append(row)
         d = dataclasses.asdict(row)
-        d |= {"dispatch": system, "batch": a.max_running}
+        d |= {"dispatch": system, "batch": a.max_running, "overlap": row.extra.get("overlap")}
+        d["row_s"] = time.perf_counter() - t_row
         result["rows"].append(d)
         print(json.dumps(d), flush=True)
         write(result, a)
@@ -216,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = time.perf_counter() - t_start
     write(result, a)
     print()
-    order = {s: i for i, s in enumerate([*bench.BOUNDS, *a.dispatches])}
+    order = {s: i for i, s in enumerate([*bench.BOUNDS, *a.dispatches, SERIAL])}
     print(bench.table(sorted(rows, key=lambda r: (r.context, r.p, order.get(r.system, 99)))))
     if a.workload == "reasoning":
         print(bench_workloads.breakdown_table(rows))
