@@ -25,10 +25,11 @@ path). Per row (medians over --steps unless said):
                     back-to-back window (the engine's own device work, sampling and the
                     router's, is a little more than the runner's).
   readback_ms:      per step of the back-to-back window, the time in the router's call and the
-                    read-back of the drawn tokens (scheduler.route_step), where the host waits
-                    for the device: with overlap, a blocking read on the one stream also waits
-                    for the step queued after it, so readback_ms near runner_device_ms means
-                    the finishing host work does not hide behind the device.
+                    waits for the drawn tokens and the router's answers (sampling.Readback.get:
+                    an event recorded after their copies to pinned memory, so with overlap it
+                    waits for this step and not for the one queued after it); readback_ms near
+                    runner_device_ms would mean the finishing host work does not hide behind
+                    the device.
 Target (issue 20): engine_ms within 1.2x of runner_ms with overlap (`ok`; the serial rows are
 there to compare). Then `benches/host_path.py` runs on this machine's CPU (host ms per decode
 step at batch 1..256 x 2k..32k, the device work stubbed) if --budget-s leaves time.
@@ -64,7 +65,7 @@ import torch  # noqa: E402
 
 from tokencache_models import PRESETS, CausalLM, HostBatch, ModelConfig, random_model  # noqa: E402
 from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
-from tokencache_routing import scheduler as routing_scheduler  # noqa: E402
+from tokencache_routing.sampling import Readback  # noqa: E402
 
 SMOKE_CONFIG = ModelConfig(
     model_type="qwen3",
@@ -171,17 +172,17 @@ def engine_row(
         for s in sides:
             s.sync_cuda = False
         before = st.copy()
-        readback = [0.0]  # time in the step's finish that reads tokens and answers back
-        route_step = routing_scheduler.route_step  # type: ignore[attr-defined]
+        readback = [0.0]  # time the host waits reading drawn tokens and answers back
+        get = Readback.get
 
-        def timed_route_step(*a: Any, **k: Any) -> Any:
+        def timed_get(self: Readback) -> Any:
             t = time.perf_counter()
             try:
-                return route_step(*a, **k)
+                return get(self)
             finally:
                 readback[0] += time.perf_counter() - t
 
-        routing_scheduler.route_step = timed_route_step  # type: ignore[attr-defined]
+        Readback.get = timed_get  # type: ignore[method-assign]
         try:
             sync(device)
             t0 = time.perf_counter()
@@ -190,7 +191,7 @@ def engine_row(
             sync(device)
             window = time.perf_counter() - t0
         finally:
-            routing_scheduler.route_step = route_step  # type: ignore[attr-defined]
+            Readback.get = get  # type: ignore[method-assign]
         async_steps = st.since(before).steps
         for s, v in zip(sides, syncs, strict=True):
             s.sync_cuda = v
