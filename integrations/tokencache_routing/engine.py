@@ -23,13 +23,14 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from tokencache_models import CausalLM, KVPool
+from tokencache_models.tp_worker import ShardFactory
 
 from .batch import PreparedForward
 from .clock import GpuClock
@@ -48,6 +49,7 @@ from .state import (
     Stats,
     as_token_array,
 )
+from .tp_launch import engine_large
 
 # "naive-sglang": the naive protocol through SGLang's own RadixCache (naive_sglang.py).
 HOST_CHARGES = ("serial", "overlap", "trees")
@@ -68,7 +70,7 @@ class RoutedEngine:
     def __init__(
         self,
         small: CausalLM,
-        large: CausalLM,
+        large: CausalLM | ShardFactory,
         router: Router,
         num_slots: int = 8192,
         large_num_slots: int | None = None,
@@ -85,7 +87,16 @@ class RoutedEngine:
         large_device: str | torch.device | None = None,
         host_charge: str = "serial",
         kv_events: bool = False,
+        large_tp: int | None = None,
+        large_tp_devices: Sequence[str] | None = None,
+        configure: Callable[[CausalLM], None] | None = None,
     ) -> None:
+        """large_tp=N: `large` (a CausalLM, or a picklable shard factory such as
+        tokencache_models.tp_worker.CheckpointShard(path)) runs tensor-parallel over N ranks
+        the engine starts itself (tp_launch.py: on CUDA cuda:1..N beside the small model's
+        cuda:0, else gloo on the CPU; large_tp_devices to choose); configure(model) runs on
+        every rank's shard; shutdown() stops them. A lost rank ends every request with
+        TPWorkerLost."""
         if host_charge not in HOST_CHARGES:
             raise ValueError(f"host_charge must be one of {HOST_CHARGES}, got {host_charge!r}")
         if dispatch not in DISPATCHES:
@@ -94,6 +105,10 @@ class RoutedEngine:
             raise ValueError("mode must be 'events' (deterministic) or 'threaded'")
         if mode == "threaded" and dispatch != "tokencache":
             raise ValueError("mode='threaded' needs dispatch='tokencache' (naive has a barrier)")
+        # large_tp: the large model's tensor-parallel group, started here (tp_launch.py).
+        large, self._large_tp = engine_large(
+            self, large, large_tp, large_tp_devices, large_device, configure
+        )
         # Vocabularies may differ in size, not in meaning: checkpoints of one family pad their
         # embedding tables differently (R1-Distill-Qwen-1.5B 151,936 rows, -32B 152,064). The
         # engine routes over the ids both have; the rest of the logits are dropped.
@@ -267,6 +282,8 @@ class RoutedEngine:
             driver.wake()
             driver.join(timeout)
         self._flush_aborts()
+        if self._large_tp is not None:
+            self._large_tp.stop()  # the large model's worker ranks
 
     def metrics(self) -> dict[str, float]:
         st, s = self.stats, self.sched
@@ -403,6 +420,8 @@ class RoutedEngine:
     ) -> Request:
         if self._closed:
             raise RuntimeError("engine is shut down")
+        if self._large_tp is not None:
+            self._large_tp.check()  # a lost tensor-parallel group: no request can finish
         m = max_new_tokens
         if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
             raise TypeError(f"max_new_tokens must be an int, got {m!r}")
