@@ -94,11 +94,30 @@ def tp_forward_cost(name: str, tp: int) -> ForwardCost:
     return ForwardCost(name, roof, roof)
 
 
-def tp_clock(small: str, large: str, large_tp: int, shared_prefix: bool | None = None) -> GpuClock:
+# What the clock's description says of the collectives' price (the figures and their source).
+SOURCE = (
+    "all-reduce/all-gather at 450 GB/s each way: NVIDIA's published H200 NVLink 900 GB/s "
+    "(nvidia.com/en-us/data-center/h200); 10 us a collective, assumed"
+)
+
+
+def tp_clock(
+    small: str,
+    large: str,
+    large_tp: int,
+    shared_prefix: bool | None = None,
+    small_tp: int = 1,
+) -> GpuClock:
     """The "h200-roofline" clock with the large model on large_tp GPUs (the small one on a GPU
-    of its own); large_tp 1 is that clock unchanged."""
+    of its own, or on small_tp: the "large alone" bound prices the large model as both);
+    tp 1 is that clock unchanged."""
     clock = GpuClock(small, large, "h200-roofline", shared_prefix)
-    if large_tp > 1:
-        clock.costs = (clock.costs[0], tp_forward_cost(large, large_tp))
-        clock.profile = f"h200-roofline, large tp={large_tp}"
+    costs = list(clock.costs)
+    for kind, (name, tp) in enumerate(((small, small_tp), (large, large_tp))):
+        if tp > 1:
+            costs[kind] = tp_forward_cost(name, tp)
+    clock.costs = (costs[0], costs[1])
+    if large_tp > 1 or small_tp > 1:
+        tps = f"small tp={small_tp}, " if small_tp > 1 else ""
+        clock.profile = f"h200-roofline, {tps}large tp={large_tp}; {SOURCE}"
     return clock
