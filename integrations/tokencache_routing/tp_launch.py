@@ -80,6 +80,10 @@ def start_large_tp(
     ranks, e.g. decode_padding); it and a factory must be picklable."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"large_tp must be a positive int, got {world!r}")
+    if world == 1 and devices is None and isinstance(large, CausalLM):
+        if configure is not None:
+            configure(large)
+        return large  # no group, and the model stays where it is
     devices = list(devices) if devices is not None else default_devices(world)
     if len(devices) != world:
         raise ValueError(f"large_tp={world} needs {world} devices, got {devices}")

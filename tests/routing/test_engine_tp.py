@@ -224,6 +224,20 @@ def test_refuses_what_cannot_run() -> None:
     eng.shutdown()
 
 
+def test_default_devices_leave_cuda0_to_the_small_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokencache_routing.tp_launch import default_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_devices(2) == ["cpu", "cpu"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert default_devices(2) == ["cuda:1", "cuda:2"]  # the small model keeps cuda:0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert default_devices(2) == ["cuda:0", "cuda:1"]  # only 2: the small model shares cuda:0
+    with pytest.raises(ValueError, match="needs 4 CUDA devices"):
+        default_devices(4)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     result = driver_equal() if sys.argv[1] == "equal" else driver_kill(sys.argv[2], sys.argv[3])
