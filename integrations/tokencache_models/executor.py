@@ -100,6 +100,18 @@ class ModelExecutor:
             weakref.WeakKeyDictionary()
         )
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled with its model (a tensor-parallel worker gets the model through a spawn):
+        the switches travel, the graph runners (bound to this process's pools and device
+        memory) do not."""
+        state = dict(self.__dict__)
+        state["_runners"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._runners = weakref.WeakKeyDictionary()
+
     def pads_decode(self) -> bool:
         if self.decode_padding is not None:
             return self.decode_padding

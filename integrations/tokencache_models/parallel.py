@@ -8,8 +8,10 @@ attention and one after the MLP. The embedding and the LM head are split by voca
 the embedding's ranks each look up the ids they hold (zeros elsewhere) and all-reduce, the
 head's ranks each compute their rows' logits and all-gather them. Norms are replicated.
 
-Each rank's KV pool holds its own KV heads (`shard_config`); slot ids mean the same on every
-rank, so the radix tree, the cursors and the slot table stay with the engine's rank.
+Each rank's KV pool holds its own KV heads (`shard_config`), or, with fewer KV heads than
+ranks, a copy of the one KV head its query heads read (`kv_head_of`: world / num_kv_heads
+ranks hold each); slot ids mean the same on every rank, so the radix tree, the cursors and the
+slot table stay with the engine's rank.
 
 Nothing here reads device memory back on the host: the collectives are plain c10d calls on
 tensors of host-known shapes, which NCCL captures in CUDA graphs.
@@ -61,25 +63,48 @@ class TPGroup:
         return out
 
 
+def kv_heads_per_rank(num_kv_heads: int, world: int) -> int:
+    """KV heads one rank holds: its share, or 1 when there are fewer KV heads than ranks (each
+    rank then holds a copy of the one KV head its query heads read: kv_head_of)."""
+    return num_kv_heads // world if num_kv_heads >= world else 1
+
+
+def kv_head_of(rank: int, num_kv_heads: int, world: int) -> int:
+    """The first KV head of rank's slice. With fewer KV heads than ranks, world / num_kv_heads
+    consecutive ranks share (replicate) one: rank r's query heads [r * q, (r + 1) * q) all
+    belong to KV head r // (world / num_kv_heads)."""
+    if num_kv_heads >= world:
+        return rank * (num_kv_heads // world)
+    return rank // (world // num_kv_heads)
+
+
 def check_divisible(config: ModelConfig, world: int) -> None:
-    """Heads, KV heads and the MLP must split evenly (replicating KV heads over ranks, for
-    models with fewer KV heads than ranks, is not implemented)."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    """Heads and the MLP must split evenly; KV heads must split evenly, or, fewer than the
+    ranks, divide them (each replicated on world / num_key_value_heads ranks)."""
+    for name in ("num_attention_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % world:
             raise ValueError(f"tensor parallelism {world}: {name}={value} does not split evenly")
+    kv = config.num_key_value_heads
+    if (kv >= world and kv % world) or (kv < world and world % kv):
+        raise ValueError(
+            f"tensor parallelism {world}: num_key_value_heads={kv} neither splits evenly nor "
+            f"divides {world} (for replication); use a tensor-parallel size that divides or is "
+            f"a multiple of {kv}"
+        )
 
 
 def shard_config(config: ModelConfig, world: int) -> ModelConfig:
-    """The shapes one rank computes: its heads, KV heads and MLP slice (vocab and hidden whole).
-    Its KV pool and the attention kernels' shapes come from it."""
+    """The shapes one rank computes: its heads, KV heads (kv_heads_per_rank: replicated when
+    fewer than the ranks) and MLP slice (vocab and hidden whole). Its KV pool and the
+    attention kernels' shapes come from it."""
     check_divisible(config, world)
     if world == 1:
         return config
     return replace(
         config,
         num_attention_heads=config.num_attention_heads // world,
-        num_key_value_heads=config.num_key_value_heads // world,
+        num_key_value_heads=kv_heads_per_rank(config.num_key_value_heads, world),
         intermediate_size=config.intermediate_size // world,
     )
 

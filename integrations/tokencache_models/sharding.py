@@ -17,6 +17,7 @@ from .parallel import (
     TPGroup,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    kv_head_of,
     shard_config,
     vocab_shard,
 )
@@ -46,11 +47,13 @@ def build_shard(
     qh, kvh, inter = local.num_attention_heads, local.num_key_value_heads, local.intermediate_size
     h = config.hidden_size
 
-    def column(name: str, out: int, bias: bool) -> ColumnParallelLinear:
+    def column(name: str, out: int, bias: bool, first: int | None = None) -> ColumnParallelLinear:
+        """Output rows [first, first + out) (default: rank's out-wide slice)."""
+        lo = rank * out if first is None else first
         lin = ColumnParallelLinear(h, out, bias=bias, device="meta")
-        lin.weight = _param(fetch(f"{name}.weight", 0, rank * out, (rank + 1) * out), device, dtype)
+        lin.weight = _param(fetch(f"{name}.weight", 0, lo, lo + out), device, dtype)
         if bias:
-            lin.bias = _param(fetch(f"{name}.bias", 0, rank * out, (rank + 1) * out), device, dtype)
+            lin.bias = _param(fetch(f"{name}.bias", 0, lo, lo + out), device, dtype)
         return lin
 
     def row(name: str, width: int) -> RowParallelLinear:
@@ -65,6 +68,8 @@ def build_shard(
         return _param(fetch(name, None, 0, 0), device, dtype)
 
     start, stop, rows = vocab_shard(config.vocab_size, rank, world)
+    # K/V rows: this rank's KV heads (a replicated one's copy when fewer KV heads than ranks).
+    kv_first = kv_head_of(rank, config.num_key_value_heads, world) * d
 
     def vocab_rows(name: str) -> torch.Tensor:
         w = torch.zeros(rows, h, device=device, dtype=dtype)
@@ -84,8 +89,8 @@ def build_shard(
         attn.num_heads, attn.num_kv_heads = qh, kvh
         bias = config.qkv_bias
         attn.q_proj = column(f"{p}.self_attn.q_proj", qh * d, bias)
-        attn.k_proj = column(f"{p}.self_attn.k_proj", kvh * d, bias)
-        attn.v_proj = column(f"{p}.self_attn.v_proj", kvh * d, bias)
+        attn.k_proj = column(f"{p}.self_attn.k_proj", kvh * d, bias, kv_first)
+        attn.v_proj = column(f"{p}.self_attn.v_proj", kvh * d, bias, kv_first)
         attn.o_proj = row(f"{p}.self_attn.o_proj", qh * d)
         if attn.qk_norm:
             attn.q_norm.weight = whole(f"{p}.self_attn.q_norm.weight")

@@ -276,7 +276,21 @@ class TPDriver:
     dropped: list[tuple[int, int]] = field(default_factory=list)
     seq: int = 0
     lost: str | None = None  # why the group is unusable
+    # Called once (from the watchdog thread or the failing forward's) when the group is lost,
+    # not when it is shut down: an engine ends its requests there (tokencache_routing).
+    on_lost: Callable[[str], None] | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _told: bool = False
+
+    def _lose(self, why: str) -> None:
+        self.lost = why
+        if self._told or self._stop.is_set() or self.on_lost is None:
+            return
+        self._told = True
+        try:
+            self.on_lost(why)
+        except Exception:  # the caller's error must stay TPWorkerLost
+            traceback.print_exc()
 
     def watch(self, interval_s: float = 0.2) -> None:
         """Starts a daemon thread that notices a launched worker's death between forwards and,
@@ -289,11 +303,13 @@ class TPDriver:
                 dead = [r for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
                 if dead and not self._stop.is_set():
                     code = self.procs[dead[0] - 1].exitcode
-                    self.lost = f"tensor-parallel worker rank {dead[0]} exited (code {code})"
+                    why = f"tensor-parallel worker rank {dead[0]} exited (code {code})"
+                    self.lost = why
                     if dist.is_initialized() and dist.get_backend() == "nccl":
                         from torch.distributed.distributed_c10d import _abort_process_group
 
                         _abort_process_group()
+                    self._lose(why)
                     return
 
         if self.procs:
@@ -304,7 +320,7 @@ class TPDriver:
             raise TPWorkerLost(self.lost)
         for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
-                self.lost = f"tensor-parallel worker rank {rank} exited (code {p.exitcode})"
+                self._lose(f"tensor-parallel worker rank {rank} exited (code {p.exitcode})")
                 raise TPWorkerLost(self.lost)
 
     def fail(self, exc: BaseException) -> TPWorkerLost:
@@ -320,7 +336,7 @@ class TPDriver:
             if p.exitcode is not None
         ]
         why = f"dead worker {', '.join(dead)}" if dead else "a worker stopped answering"
-        self.lost = f"tensor-parallel group lost: {why}: {type(exc).__name__}: {exc}"
+        self._lose(f"tensor-parallel group lost: {why}: {type(exc).__name__}: {exc}")
         return TPWorkerLost(self.lost)
 
     def _send(self, header: np.ndarray, body: np.ndarray | None) -> None:

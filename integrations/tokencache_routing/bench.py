@@ -1,7 +1,7 @@
 """Serving benchmark of routed decode: naive dispatchers vs tokencache cursors, one harness.
 
     python -m tokencache_routing.bench [--quick] [--clock gpu|measured]
-        [--profile h200-2026-11-30|h200-roofline] [--[no-]shared-prefix]
+        [--profile h200-2026-11-30|h200-roofline] [--[no-]shared-prefix] [--large-tp N]
         [--workload shared-prompt|reasoning|long-input] [--max-new 512 2048 8192]
         [--concurrency 1 4 8 16 32 64 128] [--breakdown-steps 128]
         [--contexts 2048 8192] [--rates 0.05 0.1 0.2] [--max-running 32]
@@ -213,6 +213,13 @@ def run(
     shared_prefix = getattr(a, "shared_prefix", None)  # None: the profile's default
     if a.clock == "gpu" and a.profile.endswith(".json"):  # fresh GPU measurements, refitted
         clock = GpuClock.fit(a.profile, *names, shared_prefix=shared_prefix)
+    elif a.clock == "gpu" and getattr(a, "large_tp", 1) > 1:  # the large model on TP GPUs
+        from .tp_cost import tp_clock
+
+        # The bounds run one model as both: "large alone" is the large model on its TP GPUs.
+        large_tp = 1 if system == "small alone" else a.large_tp
+        small_tp = a.large_tp if system == "large alone" else 1
+        clock = tp_clock(*names, large_tp, shared_prefix, small_tp=small_tp)
     elif a.clock == "gpu":
         clock = GpuClock(*names, profile=a.profile, shared_prefix=shared_prefix)
     if mode == "threaded":
@@ -494,6 +501,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--small-shape", default="qwen3-0.6b", help="model shape the clock prices")
     ap.add_argument("--large-shape", default="qwen3-8b")
     ap.add_argument(
+        "--large-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="price the large model tensor-parallel over N GPUs (tp_cost.py: each rank's "
+        "roofline share plus the all-reduces at published NVLink figures; h200-roofline only); "
+        "'large alone' is then the large model alone on its N GPUs",
+    )
+    ap.add_argument(
         "--contexts", type=int, nargs="+", default=[2048, 8192], help="shared-prompt only"
     )
     ap.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2])
@@ -603,6 +619,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("concurrency", "max_new"):
         if any(v < 1 for v in getattr(a, name) or ()):
             ap.error(f"--{name.replace('_', '-')} values must be >= 1")
+    if a.large_tp < 1:
+        ap.error(f"--large-tp must be >= 1, got {a.large_tp}")
+    if a.large_tp > 1 and (a.clock != "gpu" or a.profile != "h200-roofline"):
+        ap.error("--large-tp prices the h200-roofline profile only (a measured fit is one GPU's)")
     if a.quick:
         a.contexts, a.rates, a.max_running, a.min_large_batch = [96], [0.1], 4, 2
     a.points = resolve(a)  # fills the workload's defaults in

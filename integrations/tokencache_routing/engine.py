@@ -29,7 +29,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from tokencache_models import CausalLM, KVPool
+from tokencache_models.tp_worker import ShardFactory
 
 from .batch import PreparedForward
 from .clock import GpuClock
@@ -57,6 +58,7 @@ from .state import (
     Stats,
     as_token_array,
 )
+from .tp_launch import engine_large
 
 # "naive-sglang": the naive protocol through SGLang's own RadixCache (naive_sglang.py).
 HOST_CHARGES = ("serial", "overlap", "trees")
@@ -77,7 +79,7 @@ class RoutedEngine:
     def __init__(
         self,
         small: CausalLM,
-        large: CausalLM,
+        large: CausalLM | ShardFactory,
         router: Router,
         num_slots: int = 8192,
         large_num_slots: int | None = None,
@@ -95,7 +97,16 @@ class RoutedEngine:
         host_charge: str = "serial",
         kv_events: bool = False,
         overlap: bool | None = None,
+        large_tp: int | None = None,
+        large_tp_devices: Sequence[str] | None = None,
+        configure: Callable[[CausalLM], None] | None = None,
     ) -> None:
+        """large_tp=N: `large` (a CausalLM, or a picklable shard factory such as
+        tokencache_models.tp_worker.CheckpointShard(path)) runs tensor-parallel over N ranks
+        the engine starts itself (tp_launch.py: on CUDA cuda:1..N beside the small model's
+        cuda:0, else gloo on the CPU; large_tp_devices to choose); configure(model) runs on
+        every rank's shard; shutdown() stops them. A lost rank ends every request with
+        TPWorkerLost."""
         if host_charge not in HOST_CHARGES:
             raise ValueError(f"host_charge must be one of {HOST_CHARGES}, got {host_charge!r}")
         if dispatch not in DISPATCHES:
@@ -110,6 +121,10 @@ class RoutedEngine:
             raise TypeError(f"overlap must be a bool or None, got {overlap!r}")
         if overlap and dispatch != "tokencache":
             raise ValueError("overlap=True needs dispatch='tokencache' (naive has a barrier)")
+        # large_tp: the large model's tensor-parallel group, started here (tp_launch.py).
+        large, self._large_tp = engine_large(
+            self, large, large_tp, large_tp_devices, large_device, configure
+        )
         # Vocabularies may differ in size, not in meaning: checkpoints of one family pad their
         # embedding tables differently (R1-Distill-Qwen-1.5B 151,936 rows, -32B 152,064). The
         # engine routes over the ids both have; the rest of the logits are dropped.
@@ -300,6 +315,8 @@ class RoutedEngine:
             driver.wake()
             driver.join(timeout)
         self._flush_aborts()
+        if self._large_tp is not None:
+            self._large_tp.stop()  # the large model's worker ranks
 
     def metrics(self) -> dict[str, float]:
         st, s = self.stats, self.sched
@@ -436,6 +453,8 @@ class RoutedEngine:
     ) -> Request:
         if self._closed:
             raise RuntimeError("engine is shut down")
+        if self._large_tp is not None:
+            self._large_tp.check()  # a lost tensor-parallel group: no request can finish
         m = max_new_tokens
         if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
             raise TypeError(f"max_new_tokens must be an int, got {m!r}")
@@ -517,6 +536,32 @@ class RoutedEngine:
                     fn(r.handle)
                 except Exception as e:  # this request's problem: the others are still told
                     self._listener_failed(r, e)
+
+    def fail_all(self, error: BaseException, lock_wait_s: float | None = None) -> None:
+        """Every unfinished request ends with `error` at its driver's next iteration (one
+        inside a forward when that forward ends): its KV released, its caller told (a lost
+        tensor-parallel worker, tp_launch). lock_wait_s: how long to wait for the scheduler's
+        lock (None: as long as it takes); past it, requests listed without the lock (those
+        that changed meanwhile end at their forward)."""
+        with self._inbox_lock:
+            reqs = list(self._inbox)
+        lock = self.sched.lock
+        got = lock.acquire(timeout=-1 if lock_wait_s is None else lock_wait_s)
+        try:
+            reqs += self.sched.active() + list(self.sched.waiting)
+        except RuntimeError:  # changed while read without the lock: those end at their forward
+            pass
+        finally:
+            if got:
+                lock.release()
+        for r in reqs:  # as a failed listener ends its request (_listener_failed)
+            with r.cond:
+                if r.finished_reason is None and r.ending is None and r.failure is None:
+                    r.failure = error
+                    r.abort_requested = True
+        driver = self._driver  # inline use (no driver thread): the caller's next iteration
+        if driver is not None:
+            driver.wake()
 
     def _listener_failed(self, r: Request, error: Exception) -> None:
         """A listener raised: its request ends with that error at the driver's next iteration

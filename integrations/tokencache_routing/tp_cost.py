@@ -1,6 +1,7 @@
 """The GPU clock's price of a tensor-parallel forward (issue 26): a model split over `tp` GPUs.
 
-Each rank reads 1/tp of the weights and of the KV (its KV heads) and does 1/tp of the FLOPs,
+Each rank reads 1/tp of the weights and of the KV (its KV heads; with fewer KV heads than
+ranks, a copy of one: 1/num_kv_heads) and does 1/tp of the FLOPs,
 the roofline of clock.Roofline on that share; then the collectives tokencache_models.parallel
 issues, which sit between a layer's GEMMs and so are not overlapped: two all-reduces per layer
 (after attention, after the MLP) and one after the embedding, each of new_tokens x hidden
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokencache_models import PRESETS
+from tokencache_models.parallel import check_divisible, kv_heads_per_rank
 
 from .clock import ForwardCost, GpuClock, Roofline, kv_bytes_per_token, param_count
 
@@ -45,13 +47,17 @@ class TPRoofline(Roofline):
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         cfg = PRESETS[name]
-        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if getattr(cfg, field) % tp:
-                raise ValueError(f"{name}: {field}={getattr(cfg, field)} does not split {tp} ways")
+        try:
+            check_divisible(cfg, tp)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
         params = param_count(cfg)
+        # A rank's KV: its share of the heads, or a copy of one when there are fewer than tp
+        # (replicated: tensor parallelism past the KV heads saves no KV traffic).
+        kv_share = kv_heads_per_rank(cfg.num_key_value_heads, tp) / cfg.num_key_value_heads
         return cls(
             weight_bytes=2.0 * params / tp,
-            kv_bytes_per_token=kv_bytes_per_token(cfg) / tp,
+            kv_bytes_per_token=kv_bytes_per_token(cfg) * kv_share,
             flops_per_token=2.0 * params / tp,
             tp=tp,
             layers=cfg.num_hidden_layers,
@@ -88,11 +94,30 @@ def tp_forward_cost(name: str, tp: int) -> ForwardCost:
     return ForwardCost(name, roof, roof)
 
 
-def tp_clock(small: str, large: str, large_tp: int, shared_prefix: bool | None = None) -> GpuClock:
+# What the clock's description says of the collectives' price (the figures and their source).
+SOURCE = (
+    "all-reduce/all-gather at 450 GB/s each way: NVIDIA's published H200 NVLink 900 GB/s "
+    "(nvidia.com/en-us/data-center/h200); 10 us a collective, assumed"
+)
+
+
+def tp_clock(
+    small: str,
+    large: str,
+    large_tp: int,
+    shared_prefix: bool | None = None,
+    small_tp: int = 1,
+) -> GpuClock:
     """The "h200-roofline" clock with the large model on large_tp GPUs (the small one on a GPU
-    of its own); large_tp 1 is that clock unchanged."""
+    of its own, or on small_tp: the "large alone" bound prices the large model as both);
+    tp 1 is that clock unchanged."""
     clock = GpuClock(small, large, "h200-roofline", shared_prefix)
-    if large_tp > 1:
-        clock.costs = (clock.costs[0], tp_forward_cost(large, large_tp))
-        clock.profile = f"h200-roofline, large tp={large_tp}"
+    costs = list(clock.costs)
+    for kind, (name, tp) in enumerate(((small, small_tp), (large, large_tp))):
+        if tp > 1:
+            costs[kind] = tp_forward_cost(name, tp)
+    clock.costs = (costs[0], costs[1])
+    if large_tp > 1 or small_tp > 1:
+        tps = f"small tp={small_tp}, " if small_tp > 1 else ""
+        clock.profile = f"h200-roofline, {tps}large tp={large_tp}; {SOURCE}"
     return clock

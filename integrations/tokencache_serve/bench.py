@@ -117,9 +117,12 @@ def build_engine(a: argparse.Namespace) -> tuple[Any, Any]:
         )
         tok, threshold = tiny_tokenizer(), 3.0  # 2x64 / 4x64: about 25% escalated
     else:
+        from tokencache_models import CausalLM
+
         from .loading import load_models
 
         m = load_models(small_layers=24)
+        assert isinstance(m.large, CausalLM)  # loaded whole (no large_tp)
         small, large, tok, threshold = m.small, m.large, m.tokenizer, 0.5
     slots = a.max_running * 2 * (a.prompt_len + a.max_new) + 1024
     eng = RoutedEngine(

@@ -2,6 +2,7 @@
 
     tokencache serve [--large smollm2|DIR|FILE.gguf] [--small DIR | --small-layers N]
                      [--router entropy:0.5|prob:0.3|neural:PATH] [--host 127.0.0.1 --port 8000]
+                     [--large-tp N]
 
 Defaults start offline on the bundled SmolLM2-135M-Instruct (large) and its first 24 layers
 (small). `python -m tokencache_serve serve ...` is the same command.
@@ -53,6 +54,16 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the large model's)")
     m.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    m.add_argument(
+        "--large-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the large model tensor-parallel over N processes the server starts (on CUDA "
+        "cuda:1..N beside the small model on --device cuda:0, NCCL; on the CPU gloo over "
+        "127.0.0.1); a checkpoint dir is read by slice on each rank (give --small to skip "
+        "loading it whole). A rank that dies fails the requests with an error. Default 1",
+    )
     m.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu) or a dtype")
     m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     m.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads")
@@ -305,10 +316,20 @@ def build_app(a: argparse.Namespace) -> Starlette:
     )
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
+    if a.large_tp < 1:
+        raise ValueError(f"--large-tp must be >= 1, got {a.large_tp}")
     models = load_models(
-        a.large, a.small, a.small_layers, a.device, a.dtype, a.attention_backend, a.tokenizer
+        a.large,
+        a.small,
+        a.small_layers,
+        a.device,
+        a.dtype,
+        a.attention_backend,
+        a.tokenizer,
+        large_tp=a.large_tp,
     )
     log.info("loaded %s", models.description)
+    tp = {"large_tp": a.large_tp} if a.large_tp > 1 else {}
     engine = RoutedEngine(
         models.small,
         models.large,
@@ -320,6 +341,7 @@ def build_app(a: argparse.Namespace) -> Starlette:
         eos_token_id=models.tokenizer.eos_token_id,
         mode=a.mode,
         kv_events=config.kv_events is not None and config.kv_events.publisher != "null",
+        **tp,
     )
     return create_app(engine, models.tokenizer, config)
 

@@ -28,6 +28,7 @@ from tokencache_models import (
     load_smollm2_gguf,
     truncate_model,
 )
+from tokencache_models.tp_worker import ShardFactory
 from tokencache_routing import EntropyRouter, NeuralRouter, Router, Top1ProbRouter
 
 SMOLLM2 = "smollm2"
@@ -38,7 +39,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LoadedModels:
     small: CausalLM
-    large: CausalLM
+    large: CausalLM | ShardFactory  # a factory: each tensor-parallel rank reads its own slices
     tokenizer: Any
     description: str
 
@@ -85,7 +86,12 @@ def load_models(
     dtype: str = "auto",
     attention_backend: str = "auto",
     tokenizer: str | None = None,
+    large_tp: int = 1,
 ) -> LoadedModels:
+    """large_tp > 1 with a checkpoint directory as the large model and a separate small one:
+    the large model is not loaded here but given as a CheckpointShard (each rank of its group
+    reads its own slices); otherwise it is loaded whole (the small model may be cut from it,
+    and the engine shards it)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # serving never downloads
     dt = resolve_dtype(dtype, device)
     if large == TINY:
@@ -94,6 +100,13 @@ def load_models(
         tiny_small, tiny_large = tiny_pair()
         desc = "tiny random models (small 1 layer, large 2; word-level tokenizer)"
         return LoadedModels(tiny_small, tiny_large, tiny_tokenizer(), desc)
+    if (
+        large_tp > 1
+        and Path(large).is_dir()
+        and small is not None
+        and not small.startswith("exit:")
+    ):
+        return _sharded_large(large, small, device, dt, attention_backend, tokenizer, large_tp)
     large_model, tok = _load_one(large, device, dt, attention_backend, tokenizer is None)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
@@ -122,6 +135,29 @@ def load_models(
     if tok is None:
         raise ValueError("no tokenizer: give --tokenizer DIR")
     return LoadedModels(small_model, large_model, tok, desc)
+
+
+def _sharded_large(
+    large: str,
+    small: str,
+    device: str,
+    dtype: torch.dtype,
+    attention: str,
+    tokenizer: str | None,
+    large_tp: int,
+) -> LoadedModels:
+    from tokencache_models import ModelConfig
+    from tokencache_models.tp_worker import CheckpointShard
+
+    small_model, _ = _load_one(small, device, dtype, attention, False)
+    vocab = ModelConfig.from_pretrained_dir(large).vocab_size
+    if small_model.config.vocab_size != vocab:
+        raise ValueError(
+            f"the models' vocabularies differ: small {small_model.config.vocab_size}, large {vocab}"
+        )
+    tok = load_tokenizer(tokenizer or large)
+    desc = f"large {large} (tensor-parallel over {large_tp}, read by slice), small {small}"
+    return LoadedModels(small_model, CheckpointShard(large, dtype, attention), tok, desc)
 
 
 def parse_router(spec: str, small: CausalLM) -> Router:

@@ -281,3 +281,18 @@ def test_the_network_is_below_its_executor_and_graph_runners() -> None:
         assert "model" not in imported, name
         if name != "executor":
             assert "executor" not in imported, name
+
+
+def test_a_model_pickles_with_its_executor_switches_and_without_its_runners() -> None:
+    """A tensor-parallel worker receives its model through a spawn (pickle): the executor's
+    switches travel with it, its graph runners (this process's pools) do not."""
+    import pickle
+
+    from tokencache_models import random_model
+
+    model = random_model(CFG, seed=3)
+    model.executor.decode_padding = True
+    model.executor.decode_buckets = (1, 2, 4)
+    copy = pickle.loads(pickle.dumps(model))
+    assert copy.executor.decode_padding is True and copy.executor.decode_buckets == (1, 2, 4)
+    assert copy.executor.model is copy and copy.executor.runners(model.make_kv_pool(8)) == []

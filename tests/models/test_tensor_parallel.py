@@ -48,6 +48,7 @@ from tokencache_models import (  # noqa: E402
 from tokencache_models.parallel import (  # noqa: E402
     TPGroup,
     check_divisible,
+    kv_head_of,
     shard_config,
     vocab_shard,
 )
@@ -426,11 +427,20 @@ def driver_orphan() -> None:
 
 def test_shapes_must_split() -> None:
     check_divisible(CONFIGS["llama"], 2)
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        check_divisible(CONFIGS["llama"], 4)
+    check_divisible(CONFIGS["llama"], 4)  # 2 KV heads over 4 ranks: each one on two
+    with pytest.raises(ValueError, match="num_key_value_heads=2 neither splits"):
+        check_divisible(
+            dataclasses.replace(CONFIGS["llama"], num_attention_heads=12, intermediate_size=48), 3
+        )
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        check_divisible(CONFIGS["llama"], 16)
     local = shard_config(CONFIGS["llama"], 2)
     assert (local.num_attention_heads, local.num_key_value_heads) == (4, 1)
     assert local.intermediate_size == 32 and local.vocab_size == 100
+    local = shard_config(CONFIGS["llama"], 8)  # one query head, a copy of its KV head
+    assert (local.num_attention_heads, local.num_key_value_heads) == (1, 1)
+    assert [kv_head_of(r, 2, 8) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [kv_head_of(r, 4, 2) for r in range(2)] == [0, 2]
     spans = [vocab_shard(97, r, 2) for r in range(2)]
     assert spans == [(0, 49, 49), (49, 97, 49)]
 
@@ -444,6 +454,76 @@ def test_world_one_shard_is_the_model(family: str) -> None:
     x = model(b, model.make_kv_pool(16)).logits
     y = shard(b, shard.make_kv_pool(16)).logits
     assert torch.equal(x, y)
+
+
+class ThreadGroup(TPGroup):
+    """One rank of a world whose ranks are threads of this process: all_reduce and the gather
+    meet at a barrier (sums in rank order), so a world of 4 or 8 runs without processes."""
+
+    def __init__(self, rank: int, world: int, shared: dict[str, Any]) -> None:
+        super().__init__(rank, world)
+        self.shared = shared
+
+    def _meet(self, x: torch.Tensor) -> list[torch.Tensor]:
+        slots, barrier = self.shared["slots"], self.shared["barrier"]
+        slots[self.rank] = x.clone()
+        barrier.wait()
+        got = list(slots)
+        barrier.wait()  # everyone has read before the next collective overwrites
+        return got
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._meet(x)
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return x.copy_(total)
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._meet(x))
+
+
+@pytest.mark.parametrize("family,world", [("llama", 4), ("llama", 8), ("qwen2", 4)])
+def test_kv_heads_replicated_when_fewer_than_ranks(family: str, world: int) -> None:
+    """2 KV heads over 4 or 8 ranks (threads of this process meeting in their collectives):
+    each rank's pool holds one KV head, the copy its query heads read; logits equal the
+    unsharded model's over a prefill, an extend beside it and decode steps."""
+    import threading
+
+    model = full_model(family)
+    shared: dict[str, Any] = {"slots": [None] * world, "barrier": threading.Barrier(world)}
+    shards = [shard_model(model, ThreadGroup(r, world, shared)) for r in range(world)]
+    assert all(s.shard_config.num_key_value_heads == 1 for s in shards)
+
+    def scenario(m: CausalLM) -> list[torch.Tensor]:
+        g = GreedyRunner(m, m.make_kv_pool(64))
+        a = g.add_request([3, 14, 15, 92, 65, 35, 8])
+        out = [g.step([a]).logits]
+        b = g.add_request([3, 14, 15, 92, 7], share_from=a, shared_len=4)
+        out.append(g.step([a, b]).logits)
+        for _ in range(3):
+            out.append(g.step([a, b]).logits)
+        return out
+
+    results: list[Any] = [None] * world
+
+    def run(r: int) -> None:
+        try:
+            results[r] = scenario(shards[r])
+        except BaseException as e:  # reported below
+            shared["barrier"].abort()
+            results[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    ref = scenario(model)
+    for got in results:
+        assert max(float((x - y).abs().max()) for x, y in zip(got, ref, strict=True)) <= TOL
 
 
 def _hb_equal(a: HostBatch, b: HostBatch) -> None:

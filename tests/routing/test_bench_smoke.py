@@ -95,3 +95,30 @@ def test_bench_runs_on_several_system_prompts(
     ceiling = by["ceiling"]["tokens_per_s"]
     assert by["ideal"]["tokens_per_s"] <= ceiling
     assert by["tokencache"]["tokens_per_s"] <= ceiling and by["naive"]["tokens_per_s"] <= ceiling
+
+
+def test_bench_prices_a_tensor_parallel_large_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--large-tp 2: the same schedule (the CPU computes the same tokens), the large model's
+    forwards priced on 2 GPUs (tp_cost): 'large alone' and the catch-ups cost less than at
+    TP=1, more than half of it; 'small alone' is unchanged; the clock line names the source."""
+    args = ["--quick", "--profile", "h200-roofline", "--large-shape", "qwen3-32b"]
+    args += ["--dispatches", "tokencache"]
+    rows = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        bench.main([*args, "--large-tp", str(tp), "--out", str(out)])
+        data = json.loads((out / "bench.json").read_text())
+        rows[tp] = {r["system"]: r for r in data["rows"]}
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("clock: ")][-1]
+    assert "large tp=2" in line and "900 GB/s" in line and "nvidia.com" in line
+    one, two = rows[1], rows[2]
+    assert two["small alone"]["clock"] == one["small alone"]["clock"]  # priced as before
+    assert "tp=2" in two["large alone"]["clock"] and "tp=2" not in one["large alone"]["clock"]
+    for system in ("large alone", "tokencache"):
+        assert two[system]["tokens"] == one[system]["tokens"]
+    assert 1.0 < one["large alone"]["seconds"] / two["large alone"]["seconds"] < 2.0
+    assert 1.0 < one["tokencache"]["large_s"] / two["tokencache"]["large_s"] < 2.0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--large-tp", "2"])  # the measured profile is one GPU's fit

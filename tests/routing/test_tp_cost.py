@@ -47,9 +47,16 @@ def test_floor_stays_a_lower_bound(batch: int, new: int, kv: int) -> None:
     assert cost.floor(new, kv) <= cost(batch, new, kv) + 1e-12
 
 
+def test_kv_heads_fewer_than_ranks_are_replicated() -> None:
+    one = Roofline.of("r1-distill-qwen-1.5b")  # 2 KV heads
+    four = TPRoofline.of_tp("r1-distill-qwen-1.5b", 4)  # each rank a copy of one of them
+    assert four.kv_bytes_per_token == one.kv_bytes_per_token / 2
+    assert four.weight_bytes == one.weight_bytes / 4
+
+
 def test_refuses_shapes_that_do_not_split() -> None:
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        TPRoofline.of_tp("r1-distill-qwen-1.5b", 4)  # 2 KV heads
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        TPRoofline.of_tp("r1-distill-qwen-1.5b", 8)  # 12 heads
     with pytest.raises(ValueError, match="tp must be"):
         TPRoofline.of_tp("qwen3-32b", 0)
 
