@@ -54,8 +54,8 @@ from tokencache_models import (  # noqa: E402
     random_model,
 )
 from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
-from tokencache_routing.clock import GpuClock  # noqa: E402
-from tokencache_routing.routers import ScriptedRouter  # noqa: E402
+from tokencache_routing.core.routers import ScriptedRouter  # noqa: E402
+from tokencache_routing.sim.clock import GpuClock  # noqa: E402
 
 CONFIG = ModelConfig(
     model_type="llama",

@@ -65,7 +65,7 @@ import torch  # noqa: E402
 
 from tokencache_models import PRESETS, CausalLM, HostBatch, ModelConfig, random_model  # noqa: E402
 from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
-from tokencache_routing.sampling import Readback  # noqa: E402
+from tokencache_routing.core.sampling import Readback  # noqa: E402
 
 SMOKE_CONFIG = ModelConfig(
     model_type="qwen3",

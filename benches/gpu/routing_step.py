@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "integrations"))  # runs from a checkout without installing
 
 from tokencache_models import PRESETS, ModelConfig, random_model  # noqa: E402
-from tokencache_routing import bench, bench_workloads  # noqa: E402
+from tokencache_routing.tools import bench, bench_workloads  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,10 +16,8 @@ from typing import TYPE_CHECKING
 from tokencache_extras import lazy_attributes
 
 if TYPE_CHECKING:
-    from .clock import GpuClock
-    from .engine import RoutedEngine
-    from .reference import reference_generate
-    from .routers import (
+    from .baselines.reference import reference_generate
+    from .core.routers import (
         BernoulliRouter,
         EntropyRouter,
         NeuralRouter,
@@ -28,25 +26,27 @@ if TYPE_CHECKING:
         ScriptedRouter,
         Top1ProbRouter,
     )
-    from .scheduler import SchedulerConfig
-    from .state import GenerateResult, RequestHandle, SamplingParams, Stats
+    from .core.scheduler import SchedulerConfig
+    from .core.state import GenerateResult, RequestHandle, SamplingParams, Stats
+    from .engine import RoutedEngine
+    from .sim.clock import GpuClock
 
 _HOMES = {
-    "GpuClock": ".clock",
+    "GpuClock": ".sim.clock",
     "RoutedEngine": ".engine",
-    "reference_generate": ".reference",
-    "BernoulliRouter": ".routers",
-    "EntropyRouter": ".routers",
-    "NeuralRouter": ".routers",
-    "Router": ".routers",
-    "RouterFeatures": ".routers",
-    "ScriptedRouter": ".routers",
-    "Top1ProbRouter": ".routers",
-    "SchedulerConfig": ".scheduler",
-    "GenerateResult": ".state",
-    "RequestHandle": ".state",
-    "SamplingParams": ".state",
-    "Stats": ".state",
+    "reference_generate": ".baselines.reference",
+    "BernoulliRouter": ".core.routers",
+    "EntropyRouter": ".core.routers",
+    "NeuralRouter": ".core.routers",
+    "Router": ".core.routers",
+    "RouterFeatures": ".core.routers",
+    "ScriptedRouter": ".core.routers",
+    "Top1ProbRouter": ".core.routers",
+    "SchedulerConfig": ".core.scheduler",
+    "GenerateResult": ".core.state",
+    "RequestHandle": ".core.state",
+    "SamplingParams": ".core.state",
+    "Stats": ".core.state",
 }
 
 __all__ = [

@@ -39,13 +39,12 @@ import torch
 from tokencache_models import CausalLM, KVPool
 from tokencache_models.tp_worker import ShardFactory
 
-from .batch import PreparedForward
-from .clock import GpuClock
-from .kv import CursorKV, ModelSide
-from .naive import NaiveKV
-from .routers import Router
-from .scheduler import Scheduler, SchedulerConfig, WaitForMemory
-from .state import (
+from .baselines.naive import NaiveKV
+from .core.batch import PreparedForward
+from .core.kv import CursorKV, ModelSide
+from .core.routers import Router
+from .core.scheduler import Scheduler, SchedulerConfig, WaitForMemory
+from .core.state import (
     GREEDY,
     LARGE,
     SMALL,
@@ -58,6 +57,7 @@ from .state import (
     Stats,
     as_token_array,
 )
+from .sim.clock import GpuClock
 from .tp_launch import engine_large
 
 # "naive-sglang": the naive protocol through SGLang's own RadixCache (naive_sglang.py).
@@ -174,7 +174,7 @@ class RoutedEngine:
         side_cls: type[ModelSide] = ModelSide
         handle_cls: Any = CursorKV if dispatch == "tokencache" else NaiveKV
         if dispatch == "naive-sglang":
-            from .naive_sglang import NaiveSGLangKV, SGLangSide  # imports sglang
+            from .baselines.naive_sglang import NaiveSGLangKV, SGLangSide  # imports sglang
 
             side_cls, handle_cls = SGLangSide, NaiveSGLangKV
         # kv_events: both trees record the pages they store and remove (RadixTree.take_events),
@@ -593,7 +593,7 @@ class RoutedEngine:
                 self._driver.wake()
                 return
             if self.mode == "threaded":
-                from .workers import ThreadedDriver
+                from .drivers.threaded import ThreadedDriver
 
                 self._driver = ThreadedDriver(self)
             else:

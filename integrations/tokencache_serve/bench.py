@@ -106,7 +106,7 @@ def build_engine(a: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     from tokencache_routing import EntropyRouter, RoutedEngine
-    from tokencache_routing.scheduler import SchedulerConfig
+    from tokencache_routing.core.scheduler import SchedulerConfig
 
     torch.set_num_threads(a.torch_threads)
     if a.models == "tiny":

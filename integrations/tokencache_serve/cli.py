@@ -299,7 +299,7 @@ def build_app(a: argparse.Namespace) -> Starlette:
     import torch
 
     from tokencache_routing import RoutedEngine
-    from tokencache_routing.scheduler import SchedulerConfig
+    from tokencache_routing.core.scheduler import SchedulerConfig
 
     from .app import create_app
     from .loading import load_models, parse_router

@@ -10,7 +10,7 @@ import pytest
 from routing_helpers import bernoulli_decide, make_prompts, no_worker_threads
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import SchedulerConfig
 
 
 def check_idle(eng: RoutedEngine) -> None:

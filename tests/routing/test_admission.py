@@ -11,7 +11,7 @@ import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, reference_generate
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import SchedulerConfig
 
 
 @pytest.mark.parametrize("mode", ["events", "threaded"])

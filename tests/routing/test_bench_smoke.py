@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokencache_routing import bench
+from tokencache_routing.tools import bench
 
 
 @pytest.mark.parametrize("profile", ["h200-2026-11-30", "h200-roofline"])

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tokencache_routing import bench
-from tokencache_routing.bench_workloads import PARTS, Sample, StepTrace
+from tokencache_routing.tools import bench
+from tokencache_routing.tools.bench_workloads import PARTS, Sample, StepTrace
 
 ROUTED = ("naive", "naive-sglang", "tokencache")
 

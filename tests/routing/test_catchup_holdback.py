@@ -11,9 +11,9 @@ import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, ScriptedRouter
-from tokencache_routing.batch import take_catchup_batch
-from tokencache_routing.scheduler import SchedulerConfig
-from tokencache_routing.state import GREEDY, Request
+from tokencache_routing.core.batch import take_catchup_batch
+from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing.core.state import GREEDY, Request
 
 LARGE = 1
 

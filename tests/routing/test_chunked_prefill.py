@@ -24,8 +24,8 @@ from tokencache_routing import (
     ScriptedRouter,
     reference_generate,
 )
-from tokencache_routing.batch import chunk_ends
-from tokencache_routing.state import GREEDY, Request
+from tokencache_routing.core.batch import chunk_ends
+from tokencache_routing.core.state import GREEDY, Request
 
 SMALL, LARGE = 0, 1
 MODES = [("tokencache", "events"), ("naive", "events"), ("tokencache", "threaded")]
@@ -404,7 +404,7 @@ def test_fault_injection_soak_chunked(pair: Any, dispatch: str, mode: str) -> No
 def test_naive_sglang_chunked_exact(pair: Any, budget: int, num_slots: int) -> None:
     """The naive protocol through SGLang's own RadixCache with the same budget: exact, and
     nothing left in its cache pinned (a split catch-up keeps its lock until its last chunk)."""
-    from tokencache_routing.naive_sglang import sglang_api
+    from tokencache_routing.baselines.naive_sglang import sglang_api
 
     sglang_api()  # sglang missing fails this test (as test_naive_sglang.py), never skips it
     router = BernoulliRouter(0.3, seed=budget)

@@ -28,7 +28,7 @@ from tokencache_routing import (
     ScriptedRouter,
     reference_generate,
 )
-from tokencache_routing.clock import DATA, NO_PREFIX, PrefixRead, Roofline
+from tokencache_routing.sim.clock import DATA, NO_PREFIX, PrefixRead, Roofline
 
 SMALL, LARGE = 0, 1
 

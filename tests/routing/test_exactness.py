@@ -14,8 +14,8 @@ from tokencache_routing import (
     ScriptedRouter,
     reference_generate,
 )
-from tokencache_routing.reference import decide_from_models
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.baselines.reference import decide_from_models
+from tokencache_routing.core.scheduler import SchedulerConfig
 
 DISPATCH = ["tokencache", "naive"]
 

@@ -13,7 +13,7 @@ from routing_helpers import make_prompts
 
 import tokencache_models.context as context
 from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig
-from tokencache_routing.clock import GpuClock
+from tokencache_routing.sim.clock import GpuClock
 
 
 def _moved_per_decode_step(pair: Any, prompt_len: int, monkeypatch: pytest.MonkeyPatch) -> int:

@@ -8,7 +8,7 @@ import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import SchedulerConfig
 
 
 def test_launch_rules() -> None:

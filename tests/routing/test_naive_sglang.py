@@ -14,14 +14,14 @@ import pytest
 from routing_helpers import make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import SchedulerConfig
 
 DISPATCH = "naive-sglang"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def sglang_importable() -> None:
-    from tokencache_routing.naive_sglang import sglang_api
+    from tokencache_routing.baselines.naive_sglang import sglang_api
 
     try:
         sglang_api()
@@ -34,7 +34,7 @@ def decide_of(router: BernoulliRouter) -> Any:
 
 
 def check_idle(eng: RoutedEngine) -> None:
-    from tokencache_routing.naive_sglang import SGLangSide
+    from tokencache_routing.baselines.naive_sglang import SGLangSide
 
     for side in eng.sides:
         assert isinstance(side, SGLangSide)

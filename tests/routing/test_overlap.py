@@ -24,8 +24,8 @@ from tokencache_routing import (
     ScriptedRouter,
     reference_generate,
 )
-from tokencache_routing import scheduler as scheduler_module
-from tokencache_routing.clock import GpuClock
+from tokencache_routing.core import scheduler as scheduler_module
+from tokencache_routing.sim.clock import GpuClock
 
 SAMPLING = [None, SamplingParams(0.9, seed=3), SamplingParams(1.3, 0.8, seed=4), None]
 

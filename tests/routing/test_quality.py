@@ -14,9 +14,9 @@ from routing_helpers import make_prompts, tiny_config
 from tokencache_models import random_model
 from tokencache_models.early_exit import ExitHead, early_exit_model, fit_exit_head, greedy_trace
 from tokencache_routing import EntropyRouter, RoutedEngine, Top1ProbRouter
-from tokencache_routing.labels import small_rows, split_prompts
-from tokencache_routing.quality import agreement, at_share, random_curve, sweep
-from tokencache_routing.train_router import load_features, train
+from tokencache_routing.tools.labels import small_rows, split_prompts
+from tokencache_routing.tools.quality import agreement, at_share, random_curve, sweep
+from tokencache_routing.tools.train_router import load_features, train
 
 
 def test_agreement_counts_tokens_before_the_first_kept_difference() -> None:
@@ -194,7 +194,7 @@ class CharTokenizer:
 
 @pytest.mark.parametrize("head_split", [False, True])
 def test_label_keeps_test_prompts_from_head_and_router(head_split: bool, tmp_path: Path) -> None:
-    from tokencache_routing.labels import label
+    from tokencache_routing.tools.labels import label
 
     torch.set_num_threads(1)
     large = random_model(tiny_config(15), seed=6, std=0.3, attention_backend="torch")  # traces 14

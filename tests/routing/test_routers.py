@@ -22,8 +22,8 @@ from tokencache_routing import (
     Top1ProbRouter,
     reference_generate,
 )
-from tokencache_routing.features import collect_features
-from tokencache_routing.reference import decide_from_models
+from tokencache_routing.baselines.reference import decide_from_models
+from tokencache_routing.core.features import collect_features
 
 
 def feats(logits: torch.Tensor, hidden_size: int = 4) -> RouterFeatures:

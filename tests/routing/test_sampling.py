@@ -13,8 +13,8 @@ import torch
 from routing_helpers import VOCAB, make_prompts
 
 from tokencache_routing import RoutedEngine, SamplingParams, ScriptedRouter
-from tokencache_routing.sampling import sample
-from tokencache_routing.state import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, Request
+from tokencache_routing.core.sampling import sample
+from tokencache_routing.core.state import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, Request
 
 LOGITS = torch.tensor([2.0, 1.4, 0.9, 0.5, 0.0, -0.6, -1.1, -3.0])
 

@@ -12,7 +12,7 @@ import pytest
 from routing_helpers import bernoulli_decide, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, reference_generate
-from tokencache_routing.scheduler import Scheduler, SchedulerConfig
+from tokencache_routing.core.scheduler import Scheduler, SchedulerConfig
 
 
 def distinct_prompts(n: int, seed: int, lo: int = 3, hi: int = 10) -> list[list[int]]:

@@ -9,8 +9,8 @@ import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter
-from tokencache_routing.kv import CursorKV
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.core.kv import CursorKV
+from tokencache_routing.core.scheduler import SchedulerConfig
 
 
 @pytest.fixture

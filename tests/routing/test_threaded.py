@@ -9,7 +9,7 @@ import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts, no_worker_threads
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, Router, ScriptedRouter
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import SchedulerConfig
 
 
 @pytest.mark.parametrize("p,seed", [(0.1, 0), (0.3, 1), (0.5, 2), (0.2, 3)])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokencache_routing.clock import GpuClock, Roofline
-from tokencache_routing.tp_cost import (
+from tokencache_routing.sim.clock import GpuClock, Roofline
+from tokencache_routing.sim.tp_cost import (
     COLLECTIVE_LATENCY_S,
     NVLINK_BYTES_S,
     TPRoofline,

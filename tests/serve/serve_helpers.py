@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokencache_routing import EntropyRouter, RequestHandle, RoutedEngine
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import SchedulerConfig
 from tokencache_serve import ServerConfig, create_app
 from tokencache_serve.runner import BackgroundServer
 from tokencache_serve.tiny import TINY_ENTROPY_THRESHOLD

@@ -14,7 +14,7 @@ import torch
 from serve_helpers import MODEL, RawStream, Served, post_json
 
 from tokencache_routing import EntropyRouter, RoutedEngine, Router, RouterFeatures
-from tokencache_routing.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import SchedulerConfig
 from tokencache_serve import ServerConfig, create_app
 from tokencache_serve.runner import BackgroundServer
 from tokencache_serve.tiny import TINY_ENTROPY_THRESHOLD

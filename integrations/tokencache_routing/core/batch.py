@@ -12,8 +12,8 @@ import torch
 
 from tokencache_models import DeferredTokens, ForwardOutput, HostBatch
 
-from .clock import NO_PREFIX, PrefixRead
 from .kv import KVHandle, ModelSide
+from .prefix import NO_PREFIX, PrefixRead
 from .routers import Router
 from .sampling import Decisions, Draw, draw, route
 from .state import Request

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .batch import PreparedForward
-from .scheduler import WaitForMemory
-from .state import LARGE, SMALL, DriverEngine
+from ..core.batch import PreparedForward
+from ..core.scheduler import WaitForMemory
+from ..core.state import LARGE, SMALL, DriverEngine
 
 _POLL_S = 0.05  # a waiting worker looks again at least this often
 

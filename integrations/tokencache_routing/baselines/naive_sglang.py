@@ -33,7 +33,7 @@ import torch
 
 from tokencache_models import CausalLM, KVPool
 
-from .kv import ModelSide
+from ..core.kv import ModelSide
 from .naive import NaiveKV
 
 _SGL: SimpleNamespace | None = None

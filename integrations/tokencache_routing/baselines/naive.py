@@ -13,7 +13,7 @@ import numpy as np
 
 import tokencache
 
-from .kv import KVHandle, ModelSide, SlotRow
+from ..core.kv import KVHandle, ModelSide, SlotRow
 
 
 class NaiveKV(SlotRow):

@@ -52,7 +52,9 @@ from tokencache_models import (
     prefix_traffic,
 )
 
-DATA = Path(__file__).resolve().parent / "data"
+from ..core.prefix import NO_PREFIX, PrefixRead
+
+DATA = Path(__file__).resolve().parents[1] / "data"
 DEFAULT_PROFILE = "h200-2026-11-30"
 PROFILES = (DEFAULT_PROFILE, "h200-roofline")
 ROOFLINE_SLACK = 1.5
@@ -67,41 +69,6 @@ def param_count(c: ModelConfig) -> int:
 
 def kv_bytes_per_token(c: ModelConfig, bytes_per_elem: int = 2) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * bytes_per_elem
-
-
-@dataclass(frozen=True)
-class PrefixRead:
-    """How one forward's rows read their shared slot-list prefixes on the modelled runner: the
-    groups that take the shared-prefix path (tokencache_models.paying_groups; empty: every row
-    reads its own slot list), and their traffic in KV slots per layer
-    (tokencache_models.prefix_traffic): `skipped`, what the groups' rows no longer read
-    themselves (rows x P summed over the groups), and `read`, what the prefix path reads
-    instead (each P once per tile of its group's query tokens, plus the split partials).
-    Depends on the model's PrefixShape: price it with the kind it was found for."""
-
-    groups: tuple[PrefixGroup, ...] = ()
-    skipped: int = 0
-    read: int = 0
-
-    @property
-    def saved(self) -> int:
-        """KV slots per layer the forward reads less than its rows' whole slot lists (> 0
-        whenever a group is kept: paying_groups keeps none otherwise)."""
-        return self.skipped - self.read
-
-    @property
-    def longest(self) -> int:
-        """The longest prefix read once (0: none)."""
-        return max((g.length for g in self.groups), default=0)
-
-    @property
-    def rows(self) -> int:
-        """Rows that skip a prefix."""
-        return sum(len(g.rows) for g in self.groups)
-
-
-# Every row reads its own slot list: no shared-prefix path, or nothing worth it.
-NO_PREFIX = PrefixRead()
 
 
 def _np64(x: Any) -> np.ndarray:

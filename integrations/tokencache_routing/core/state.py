@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from .clock import PrefixRead
     from .kv import KVHandle, ModelSide
+    from .prefix import PrefixRead
     from .scheduler import Scheduler
 
 SMALL, LARGE = 0, 1
