@@ -2,9 +2,9 @@
 
 Each model has its own RadixTree over its own KVPool; a request keeps a handle in each (a
 tokencache Cursor, or the naive SGLang-style protocol). Requests are submitted at any time from
-any thread; a driver runs the scheduler: the deterministic event loop here (inline in the
-caller's thread, or in a background thread after start()), or mode="threaded" (workers.py: one
-thread per model). generate() and stream() are built on submit().
+any thread; a driver runs the scheduler: the deterministic event loop (drivers/events.py: inline
+in the caller's thread, or in a background thread after start()), or mode="threaded"
+(drivers/threaded.py: one thread per model). generate() and stream() are built on submit().
 
 The event loop keeps an engine clock: clock="steps" (a small step costs 1, a catch-up
 large_step_cost: reproducible schedules), "measured" (forward wall times) or "gpu" (a GpuClock:
@@ -22,7 +22,6 @@ queue, charging only what the device waits for (README: "Overlapped scheduling")
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -30,7 +29,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,13 +41,12 @@ from .baselines.naive import NaiveKV
 from .core.batch import PreparedForward
 from .core.kv import CursorKV, ModelSide
 from .core.routers import Router
-from .core.scheduler import Scheduler, SchedulerConfig, WaitForMemory
+from .core.scheduler import Scheduler, SchedulerConfig
 from .core.state import (
     GREEDY,
     LARGE,
     SMALL,
     Driver,
-    DriverEngine,
     GenerateResult,
     Request,
     RequestHandle,
@@ -57,6 +54,7 @@ from .core.state import (
     Stats,
     as_token_array,
 )
+from .drivers.events import EventLoop, EventLoopThread
 from .sim.clock import GpuClock
 from .tp_launch import engine_large
 
@@ -207,17 +205,13 @@ class RoutedEngine:
         self._next_rid = 0
         self._drive_lock = threading.Lock()  # one inline driver at a time
         self._driver_lock = threading.Lock()  # starting / stopping driver threads
-        self._driver: Driver | None = None  # _EventLoopThread (events) or ThreadedDriver
+        self._driver: Driver | None = None  # EventLoopThread (events) or ThreadedDriver
         self._retired: Driver | None = None  # the last one that decided to stop (may be exiting)
         self._persistent = False  # start() was called: the driver runs until shutdown()
         self._closed = False
         self._current: list[RequestHandle] = []  # the latest stream: abort(int) indexes it
-        # engine clocks (event loop): the small model's, the large model's, a catch-up's end
-        self._t_small = self._t_large = self._done_at = 0.0
-        # Overlap (event loop): the small step launched and not finished yet, and when the
-        # device's queue is done on the engine clock (the host clock is _t_small).
-        self._pending: _Launched | None = None
-        self._dev_free = 0.0
+        # The event loop (drivers/events.py): its clocks and the pending step (overlap).
+        self._events = EventLoop(self)
         self._wall0 = time.perf_counter()
 
     # ---------------------------------------------------------------- properties
@@ -273,7 +267,7 @@ class RoutedEngine:
         """The engine clock: modelled (event loop) or wall time since construction (threaded)."""
         if self.mode == "threaded":
             return time.perf_counter() - self._wall0
-        return max(self._t_small, self._t_large)
+        return self._events.now()
 
     # ---------------------------------------------------------------- online API
 
@@ -514,8 +508,8 @@ class RoutedEngine:
         with self.sched.lock:
             self.intake()
             self.sched.apply_aborts()
-            if self._pending is not None:  # its requests end (aborted) or go on from here
-                self._land_pending()
+            if self._events.pending is not None:  # its requests end (aborted) or go on
+                self._events.land_pending()
                 self.sched.apply_aborts()
             touched = self.sched.take_touched()
         self.notify(touched)
@@ -597,7 +591,7 @@ class RoutedEngine:
 
                 self._driver = ThreadedDriver(self)
             else:
-                self._driver = _EventLoopThread(self)
+                self._driver = EventLoopThread(self)
             self._driver.start()
 
     def driver_should_exit(self) -> bool:
@@ -674,94 +668,11 @@ class RoutedEngine:
         s = self.sched
         with s.lock:
             try:
-                worked = self._iterate_locked()
+                worked = self._events.iterate_locked()
             finally:
                 touched = s.take_touched()
         self.notify(touched)  # outside the scheduler lock: listeners may abort
         return worked
-
-    def _iterate_locked(self) -> bool:
-        s = self.sched
-        self.intake()
-        s.apply_aborts()
-        self._rejoin()
-        # A request is submitted at now(), the later of the two models' clocks (two devices:
-        # the large one may be ahead); the small model starts none before its submission.
-        s.admit(not_after=self._t_small)
-        if s.waiting and not s.running and not s.busy:
-            # Nothing to step until the next request arrives: the small model waits for it.
-            self._t_small = max(self._t_small, s.waiting[0].submitted_at)
-            self._rejoin()
-            s.admit(not_after=self._t_small)
-        if not s.has_work():
-            if self._pending is None:
-                return False
-            self._land_pending()  # only rows dropped from it are left: their slots go back
-            return True
-        if s.barrier:
-            self._barrier_iteration()
-        elif self.overlap:
-            self._pipelined_iteration()
-        elif self.topology == "two-devices":
-            self._overlapped_iteration()
-        else:
-            self._serial_iteration()
-        s.stats.bookkeeping_s = sum(side.bookkeeping_s for side in self.sides)
-        s.stats.modeled_s = self.now()
-        return True
-
-    def _rejoin(self) -> None:
-        """Two devices: a catch-up's requests rejoin once the small clock reaches its end."""
-        s = self.sched
-        if s.inflight and self._done_at <= self._t_small:
-            s.running += s.inflight
-            s.inflight = []
-
-    def _barrier_iteration(self) -> None:
-        s, st = self.sched, self.sched.stats
-        if s.parked:  # synchronous barrier: the small model waits for every catch-up
-            d, back = self._run_large(self._t_small)
-            st.small_idle_s += d
-            self._t_small += d
-            s.running += back
-        if s.running:
-            self._t_small += self._run_small(self._t_small)
-        self._t_large = self._t_small
-
-    def _serial_iteration(self) -> None:
-        """One device: a catch-up runs between two small steps; its requests rejoin the next."""
-        s, st = self.sched, self.sched.stats
-        if self._large_due():
-            d, back = self._run_large(self._t_small)
-            if s.running:
-                st.small_idle_s += d
-            self._t_small += d
-            s.running += back
-        if s.running:
-            self._t_small += self._run_small(self._t_small)
-        self._t_large = self._t_small
-
-    def _overlapped_iteration(self) -> None:
-        """Two devices: a catch-up computed now rejoins when the large clock says it ended;
-        meanwhile the small model keeps stepping the others."""
-        s, st = self.sched, self.sched.stats
-        if not s.inflight and self._large_due():
-            start = max(self._t_large, self._t_small)
-            d, back = self._run_large(start)
-            self._done_at = self._t_large = start + d
-            s.inflight = back
-        if s.running:
-            self._t_small += self._run_small(self._t_small)
-        elif s.inflight:  # nothing else to run: idle until the catch-up is back
-            st.small_idle_s += self._done_at - self._t_small
-            self._t_small = self._done_at
-
-    def _large_due(self) -> bool:
-        s = self.sched
-        waited_out = bool(s.parked) and (
-            s.stats.steps - s.parked[0].parked_step >= s.cfg.max_wait_steps
-        )
-        return s.launch_due(waited_out, own_device=self.topology == "two-devices")
 
     def forward_cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
         """The forward's device cost on the engine clock (measured_s: its measured device
@@ -782,268 +693,6 @@ class RoutedEngine:
             return measured_s
         return 1.0 if kind == SMALL else self.large_step_cost
 
-    def _tree_s(self) -> float:
-        return sum(side.bookkeeping_s for side in self.sides)
-
-    def _charge(self, device_s: float, host_s: float, tree_s: float) -> float:
-        """A step's cost on the engine clock from its device cost and its measured host time
-        (host_charge), for the serial path (overlap=False; the overlapped event loop keeps a
-        host clock and a device queue instead, _start_on_device): "serial", the GPU waits for
-        all of the host's work (scheduling, the runner's preparation, sampling, the router,
-        commits, the trees); "overlap", max(host, device): a projection of an overlapped host
-        path, kept to compare; "trees", only the tree calls (the clock before issue 20, kept
-        to compare). The step clock charges no host time (a pure function of the schedule)."""
-        if self.clock == "steps":
-            return device_s
-        if self.host_charge == "serial":
-            return device_s + host_s
-        if self.host_charge == "overlap":
-            return max(device_s, host_s)
-        return device_s + tree_s
-
-    def _run_small(self, t: float) -> float:
-        cost, parked = self._run(SMALL, t)
-        for r in parked:
-            r.parked_step = self.sched.stats.steps
-        return cost
-
-    def _run_large(self, t: float) -> tuple[float, list[Request]]:
-        return self._run(LARGE, t)
-
-    def _run(self, kind: int, t: float) -> tuple[float, list[Request]]:
-        """Schedule, run and commit one forward of a model starting at clock time t, the host
-        waiting for the device in between (no overlap); returns its cost on the engine clock
-        and the requests finish_* hands back (parked after a small step, going on after a
-        catch-up)."""
-        try:
-            launched = self._launch(kind)
-        except WaitForMemory:  # nothing is busy in the event loop
-            raise RuntimeError("event loop: memory held by a busy request") from None
-        if launched is None:
-            return 0.0, []
-        # Tokens are delivered at the step's end: its host time so far and its device work.
-        back, host, tree = self._land(launched, t + self._charge(*launched.costs))
-        cost = self._charge(launched.device_s, host, tree)
-        if kind == SMALL:  # the GPU waits for what the clock charges beyond its work
-            self.sched.stats.device_idle_s += cost - launched.device_s
-        return cost, back
-
-    def _launch(self, kind: int, after: PreparedForward | None = None) -> _Launched | None:
-        """Schedule one forward of a model and launch it (its tokens drawn on the device);
-        None when there is nothing to run. Raises WaitForMemory from the scheduler."""
-        s = self.sched
-        timer = self.sides[kind].timer
-        h0, tree0 = timer(), self._tree_s()
-        prep = s.schedule_small(after) if kind == SMALL else s.schedule_large()
-        if prep is None:
-            return None
-        try:
-            dt = prep.launch(s.router if kind == SMALL else None)
-        except BaseException as e:
-            s.abandon(prep, e)
-            if not isinstance(e, Exception):
-                raise
-            return None
-        device = self.forward_cost(kind, prep, dt)  # the clock's own grouping is host work too
-        host = timer() - h0 - prep.execute_host_s
-        return _Launched(kind, prep, dt, device, host, self._tree_s() - tree0)
-
-    def _land(self, launched: _Launched, now: float) -> tuple[list[Request], float, float]:
-        """Finish a launched forward on the host at engine time `now` (tokens committed and
-        delivered); returns what finish_* hands back, and the forward's host and tree time in
-        all (launch and finish)."""
-        s, kind, prep = self.sched, launched.kind, launched.prep
-        timer = self.sides[kind].timer
-        h0, tree0 = timer(), self._tree_s()
-        assert prep.out is not None
-        finish = s.finish_small if kind == SMALL else s.finish_large
-        back = finish(prep, prep.out, now)
-        host = launched.host_s + timer() - h0
-        tree = launched.tree_s + self._tree_s() - tree0
-        st = s.stats
-        st.host_s += host
-        if kind == SMALL:
-            st.small_forward_s += launched.forward_s
-            st.small_host_s += host
-            st.small_device_s += launched.device_s
-            for r in back:
-                r.parked_step = st.steps
-        else:
-            st.large_forward_s += launched.forward_s
-        return back, host, tree
-
-    # ------------------------------------------------------------ overlapped event loop
-
-    def _host_cost(self, host_s: float, tree_s: float) -> float:
-        """Host time on the engine clock: what host_charge counts of it ("trees": the tree
-        calls only); none on the step clock."""
-        if self.clock == "steps":
-            return 0.0
-        return tree_s if self.host_charge == "trees" else host_s
-
-    def _start_on_device(self, launched: _Launched, host_cost: float) -> None:
-        """The host clock advances by the launch's host work, then the forward queues on the
-        device: it starts when both the host launched it and the device is free."""
-        self._t_small += host_cost
-        start = max(self._dev_free, self._t_small)
-        if launched.kind == SMALL:
-            self.sched.stats.device_idle_s += start - self._dev_free
-        self._dev_free = start + launched.device_s
-        launched.end = self._dev_free
-
-    def _launch_timed(self, kind: int, after: PreparedForward | None = None) -> _Launched | None:
-        launched = self._launch(kind, after)
-        if launched is not None:
-            self._start_on_device(launched, self._host_cost(launched.host_s, launched.tree_s))
-        return launched
-
-    def _land_timed(self, launched: _Launched) -> list[Request]:
-        """The host waits for the forward's end on the device, then finishes it."""
-        self._t_small = max(self._t_small, launched.end)
-        h0, tree0 = launched.host_s, launched.tree_s
-        back, host, tree = self._land(launched, self._t_small)
-        self._t_small += self._host_cost(host - h0, tree - tree0)
-        return back
-
-    def _land_pending(self) -> None:
-        """Finish the pending small step, if any (overlap)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._land_timed(pending)
-
-    def _pipelined_iteration(self) -> None:
-        """Overlap: the next small step is scheduled, prepared and launched while the device
-        still runs the previous one, whose tokens the host then finishes (SGLang's overlap
-        scheduler, vLLM's async scheduling). Its requests continue in the new step with their
-        drawn token (resolved on the device); one the router parks or that ends is dropped
-        from it. On one device a due catch-up is launched right after (queued behind the new
-        step) and finished at once, so its requests join the next step (a request the router
-        parks misses the one step it was dropped from); the device then waits for the next
-        step's preparation, the one host time a catch-up does not hide. On two devices a
-        catch-up runs beside the small steps, its requests rejoining at its end. The host
-        waits for the device only to finish a step; the clock charges what the device waits
-        for the host (Stats.device_idle_s)."""
-        s, st = self.sched, self.sched.stats
-        if self.topology == "two-devices" and not s.inflight and self._large_due():
-            catchup = self._launch_large_timed()
-            if catchup is not None:  # finished at once; rejoins at its end (_rejoin)
-                self._finish_catchup(catchup)
-        # The pending step stays in _pending until it is finished: whatever raises meanwhile,
-        # the next iteration or _flush_aborts finishes it (nothing stays busy or allocated).
-        pending = self._pending
-        try:
-            nxt = self._launch_timed(SMALL, pending.prep if pending is not None else None)
-        except WaitForMemory:  # memory held by busy requests: finish what holds it first
-            if pending is None:
-                raise RuntimeError("event loop: memory held by a busy request") from None
-            self._land_pending()
-            pending = nxt = None
-            with contextlib.suppress(WaitForMemory):
-                nxt = self._launch_timed(SMALL)
-        self._pending = nxt
-        if pending is not None:
-            self._land_timed(pending)
-        if nxt is not None and not any(nxt.prep.live()):  # all rows dropped: nothing to wait for
-            self._land_pending()
-        if self.topology == "one-device":
-            # Places the landed step freed are refilled before holes can launch a catch-up.
-            self.intake()
-            s.admit(not_after=self._t_small)
-            if self._large_due():
-                catchup = self._launch_large_timed()
-                if catchup is not None:
-                    self._finish_catchup(catchup)
-            self._t_large = self._t_small
-            return
-        self._t_large = max(self._t_large, self._t_small)
-        if nxt is None and not s.running and s.inflight:  # idle until the catch-up is back
-            st.small_idle_s += max(0.0, self._done_at - self._t_small)
-            self._t_small = max(self._t_small, self._done_at)
-
-    def _launch_large_timed(self) -> _Launched | None:
-        """A catch-up on the large model: on one device it queues behind the small steps;
-        on two it starts when the large device is free."""
-        if self.topology == "one-device":
-            try:
-                return self._launch_timed(LARGE)
-            except WaitForMemory:
-                return None
-        try:
-            launched = self._launch(LARGE)
-        except WaitForMemory:
-            return None
-        if launched is not None:
-            self._t_small += self._host_cost(launched.host_s, launched.tree_s)
-            start = max(self._t_large, self._t_small)
-            launched.end = self._t_large = start + launched.device_s
-        return launched
-
-    def _finish_catchup(self, catchup: _Launched) -> None:
-        s, st = self.sched, self.sched.stats
-        if self.topology == "one-device":
-            if s.running or s.busy:
-                st.small_idle_s += catchup.device_s
-            s.running += self._land_timed(catchup)
-            return
-        # Two devices: finished on the host now, its requests rejoin once the small clock
-        # reaches the catch-up's end (_rejoin).
-        h0, tree0 = catchup.host_s, catchup.tree_s
-        back, host, tree = self._land(catchup, catchup.end)
-        self._t_small += self._host_cost(host - h0, tree - tree0)
-        self._done_at = catchup.end
-        s.inflight = back
-
-
-@dataclass
-class _Launched:
-    """A forward launched by the event loop and not finished yet: its device time measured
-    (forward_s) and on the engine clock (device_s), its host and tree time so far, and (with
-    overlap) when it ends on the engine clock."""
-
-    kind: int
-    prep: PreparedForward
-    forward_s: float
-    device_s: float
-    host_s: float
-    tree_s: float
-    end: float = 0.0
-
-    @property
-    def costs(self) -> tuple[float, float, float]:
-        return self.device_s, self.host_s, self.tree_s
-
 
 def _put_index(q: queue.SimpleQueue[int], i: int, _handle: RequestHandle) -> None:
     q.put(i)
-
-
-class _EventLoopThread:
-    """start(): the event loop in a background thread, sleeping while there is no work."""
-
-    def __init__(self, eng: DriverEngine) -> None:
-        self.eng = eng
-        self.event = threading.Event()
-        self.thread = threading.Thread(target=self.run, name="tokencache-events", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def wake(self) -> None:
-        self.event.set()
-
-    def join(self, timeout: float) -> None:
-        self.thread.join(timeout)
-
-    def run(self) -> None:
-        eng = self.eng
-        while True:
-            self.event.clear()
-            if eng.iterate_exclusive():
-                continue
-            if eng.closed or eng.driver_should_exit():
-                eng.drain_exclusive()
-                return
-            self.event.wait(0.5)

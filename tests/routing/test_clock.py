@@ -148,7 +148,7 @@ def test_two_devices_small_model_starts_no_request_before_its_submission(pair: A
         small, large, router, 512, large_step_cost=50.0, topology="two-devices", clock="steps"
     )
     eng.submit([1, 2, 3], 1, route_key=0).wait()
-    assert eng._t_large > eng._t_small  # the catch-up left the large clock ahead
+    assert eng._events.t_large > eng._events.t_small  # the catch-up left the large clock ahead
     t0 = eng.now()
     h = eng.submit([4, 5, 6], 6, route_key=1)
     h.wait()
@@ -240,7 +240,7 @@ def test_two_devices_late_submission_does_not_stall_the_running_batch(pair: Any)
     while not eng.sched.inflight:
         assert eng.iterate()
     c = eng.submit([7, 8, 9], 3, route_key=2)
-    assert c.submitted_at > eng._t_small + 40  # stamped at the large clock, far ahead
+    assert c.submitted_at > eng._events.t_small + 40  # stamped at the large clock, far ahead
     while eng.iterate():
         pass
     gaps = [y - x for x, y in zip(b.token_times, b.token_times[1:], strict=False)]

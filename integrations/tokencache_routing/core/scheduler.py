@@ -1,10 +1,11 @@
 """The one scheduler both drivers run: admission, make-room (evict, then preempt), catch-up
 batching, and the commit of each forward's tokens (schedule -> run -> postprocess).
 
-Drivers (engine.py's event loop, workers.py's two threads) call it while holding its lock and
-run the forwards themselves; a request inside a running forward is `busy` and nobody else
-touches it. Every way out (finish, abort, preemption, an error in a forward, the router or the
-allocator) releases the request's KV in both models: nothing stays pinned or allocated.
+Drivers (drivers/events.py's event loop, drivers/threaded.py's two threads) call it while
+holding its lock and run the forwards themselves; a request inside a running forward is `busy`
+and nobody else touches it. Every way out (finish, abort, preemption, an error in a forward, the
+router or the allocator) releases the request's KV in both models: nothing stays pinned or
+allocated.
 """
 
 from __future__ import annotations

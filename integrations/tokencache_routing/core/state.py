@@ -1,8 +1,8 @@
 """The types the scheduler, both drivers and the public API share: a request's state, its
 sampling parameters, the caller's handle on it, the engine's counters, and the interfaces
 between the engine and its drivers and handles (RequestDriver, Driver, DriverEngine: typed
-Protocols that RoutedEngine, the event-loop thread and workers.ThreadedDriver implement;
-docs/ARCHITECTURE.md draws them)."""
+Protocols that RoutedEngine, drivers/events.py's EventLoopThread and drivers/threaded.py's
+ThreadedDriver implement; docs/ARCHITECTURE.md draws them)."""
 
 from __future__ import annotations
 
@@ -181,9 +181,9 @@ class RequestDriver(Protocol):
 
 
 class Driver(Protocol):
-    """What the engine asks of a driver: the threads that run its scheduler (engine.py's
-    event-loop thread after start(), workers.ThreadedDriver with mode="threaded"). A driver
-    calls only DriverEngine on the engine."""
+    """What the engine asks of a driver: the threads that run its scheduler
+    (drivers/events.py's EventLoopThread after start(), drivers/threaded.py's ThreadedDriver
+    with mode="threaded"). A driver calls only DriverEngine on the engine."""
 
     def start(self) -> None: ...
 

@@ -1,2 +1,3 @@
-"""What drives the core's steps: the threaded driver (threaded.py, one thread per model).
-The event-loop driver and the overlapped pipeline are RoutedEngine's own (engine.py)."""
+"""What drives the core's steps: the deterministic event loop with the overlapped pipeline and
+the engine clock it keeps (events.py), and the threaded driver (threaded.py, one thread per
+model). Drivers see the engine through core/state.py's DriverEngine only."""
