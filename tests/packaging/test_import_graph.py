@@ -3,7 +3,9 @@ tokencache_routing and tokencache_models each), and the layers point one way
 (tokencache_models never imports the routing engine, the server or the SGLang backend; the
 routing engine never imports the server). And no module but engine.py reaches into
 RoutedEngine's underscore members: the others use its public API and the typed interfaces in
-tokencache_routing/state.py (RequestDriver, DriverEngine).
+tokencache_routing/core/state.py (RequestDriver, DriverEngine). Within tokencache_routing the
+subpackages are layered: core/ imports none of the others, sim/, baselines/ and drivers/ only
+core/, nothing but tools/ (and the thin command modules at the old paths) imports tools/.
 
 Read with ast from the source, so it sees imports inside functions too (a deferred import is
 still a dependency); imports under `if TYPE_CHECKING:` are left out (annotations only)."""
@@ -139,6 +141,58 @@ def test_package_has_no_cycles(package: str, least: int) -> None:
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
+RT = "tokencache_routing"
+SUBPACKAGES = ("core", "drivers", "sim", "baselines", "tools")
+# What each subpackage may import of tokencache_routing (its own modules always): the
+# package's __init__ only re-exports, so importing it counts as importing the engine.
+MAY_IMPORT = {
+    "core": set(),
+    "sim": {"core"},
+    "baselines": {"core"},
+    "drivers": {"core"},
+    "tools": {"core", "drivers", "sim", "baselines", "engine", "tp_launch", "__init__"},
+}
+# The thin command modules at the documented paths (python -m tokencache_routing.bench ...).
+COMMANDS = ("bench", "demo", "labels", "quality", "train_router")
+
+
+def _layer(module: str) -> str:
+    """tokencache_routing.core.kv -> core; tokencache_routing.engine -> engine;
+    tokencache_routing -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_routing_subpackages_are_layered() -> None:
+    graph = {m: deps for m, deps in _graph().items() if m.split(".")[0] == RT}
+    layers = {_layer(m) for m in graph}
+    assert set(SUBPACKAGES) <= layers  # the walk found the subpackages
+    wrong = []
+    for m, deps in graph.items():
+        layer = _layer(m)
+        for d in deps:
+            if d.split(".")[0] != RT or _layer(d) == layer:
+                continue
+            target = _layer(d)
+            if layer in MAY_IMPORT:
+                ok = target in MAY_IMPORT[layer]
+            else:  # engine, tp_launch, __init__, the command modules: anything but tools/
+                ok = target != "tools" or layer in COMMANDS
+            if not ok:
+                wrong.append(f"{m} -> {d}")
+    assert not sorted(wrong)
+
+
+def test_the_layer_check_sees_the_layers() -> None:
+    assert _layer("tokencache_routing.core.kv") == "core"
+    assert _layer("tokencache_routing.engine") == "engine"
+    assert _layer("tokencache_routing") == "__init__"
+    graph = _graph()
+    assert "tokencache_routing.core.batch" in graph["tokencache_routing.drivers.threaded"]
+    assert "tokencache_routing.drivers.events" in graph["tokencache_routing.engine"]
+    assert "tokencache_routing.tools.bench" in graph["tokencache_routing.bench"]
+
+
 ENGINE = ROOT / "tokencache_routing" / "engine.py"
 
 
@@ -188,7 +242,7 @@ def _private_reaches(source: str, private: set[str]) -> list[tuple[int, str]]:
 
 def test_no_module_reaches_into_the_engine() -> None:
     private = _engine_private_members(ENGINE.read_text())
-    assert {"_drive_lock", "_inbox", "_flush_aborts", "_pending"} <= private  # the walk works
+    assert {"_drive_lock", "_inbox", "_flush_aborts", "_events"} <= private  # the walk works
     wrong = [
         f"{path.relative_to(ROOT)}:{line}: {name}"
         for path in sorted(ROOT.rglob("*.py"))
