@@ -4,10 +4,10 @@
 # in its own copy), so it can run beside other work; results and a summary land in $OUT.
 #
 #   bash scripts/mutation.sh python [MODULE...] [-- PYTEST_ARGS...]
-#       mutmut on integrations/tokencache_routing/MODULE.py (default: sampling scheduler
+#       mutmut on integrations/tokencache_routing/core/MODULE.py (default: sampling scheduler
 #       batch), against the routing tests named in TESTS_<module> below (PYTEST_ARGS are
 #       added to pytest's). MUTANTS='glob ...' narrows to mutant names, e.g.
-#       MUTANTS='tokencache_routing.sampling.x__draw*' (mutmut's own naming).
+#       MUTANTS='tokencache_routing.core.sampling.x__draw*' (mutmut's own naming).
 #   bash scripts/mutation.sh rust [CARGO_MUTANTS_ARGS...]
 #       cargo mutants on rust/tokencache-core (paths from the repository root, e.g.
 #       --file rust/tokencache-core/src/cell.rs --re 'NodeCell::(pin|unpin)').
@@ -61,7 +61,7 @@ run_python() {
     {
       echo "[mutmut]"
       echo "paths_to_mutate = tokencache_routing/"
-      echo "only_mutate = tokencache_routing/$m.py"
+      echo "only_mutate = tokencache_routing/core/$m.py"
       printf 'also_copy =\n    tokencache_models/\n    tests/\n'
       echo "tests_dir ="
       for t in $tests; do echo "    $t"; done
@@ -72,7 +72,7 @@ run_python() {
       echo "process_isolation = forkserver"
       echo "forkserver_warmup = none"
     } > "$d/setup.cfg"
-    echo "== mutmut: tokencache_routing/$m.py against $tests"
+    echo "== mutmut: tokencache_routing/core/$m.py against $tests"
     # shellcheck disable=SC2086  # MUTANTS: globs for mutmut, unquoted on purpose
     (cd "$d" && timeout "$TIMEOUT_S" "$PY" -m mutmut run --max-children "$JOBS" ${MUTANTS:-} \
         > run.log 2>&1) || true

@@ -3,7 +3,7 @@
 Pure Python (no torch, no triton) so that the three places that need it agree: the runner
 decides with it whether a forward takes the shared-prefix path (prefix_groups.paying_groups),
 the Triton kernel takes its grid from it (triton_prefix.py), and the routing engine's GPU clock
-prices forwards with it (tokencache_routing/clock.py).
+prices forwards with it (tokencache_routing/sim/clock.py).
 
 Costs are counted in KV slots of the model's shape (one token's K and V in one layer): a
 prefix is read once per block of query rows (a pass), and each split of the prefix writes a
