@@ -17,6 +17,7 @@ from tokencache_extras import lazy_attributes
 
 if TYPE_CHECKING:
     from .baselines.reference import reference_generate
+    from .config import EngineConfig
     from .core.routers import (
         BernoulliRouter,
         EntropyRouter,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from .sim.clock import GpuClock
 
 _HOMES = {
+    "EngineConfig": ".config",
     "GpuClock": ".sim.clock",
     "RoutedEngine": ".engine",
     "reference_generate": ".baselines.reference",
@@ -51,6 +53,7 @@ _HOMES = {
 
 __all__ = [
     "BernoulliRouter",
+    "EngineConfig",
     "EntropyRouter",
     "GenerateResult",
     "GpuClock",

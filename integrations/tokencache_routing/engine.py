@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -38,6 +37,15 @@ from tokencache_models import CausalLM, KVPool
 from tokencache_models.tp_worker import ShardFactory
 
 from .baselines.naive import NaiveKV
+from .config import (
+    DEFAULTS,
+    ClockName,
+    Dispatch,
+    EngineConfig,
+    HostCharge,
+    Mode,
+    Topology,
+)
 from .core.batch import PreparedForward
 from .core.kv import CursorKV, ModelSide
 from .core.routers import Router
@@ -58,19 +66,8 @@ from .drivers.events import EventLoop, EventLoopThread
 from .sim.clock import GpuClock
 from .tp_launch import engine_large
 
-# "naive-sglang": the naive protocol through SGLang's own RadixCache (naive_sglang.py).
-HOST_CHARGES = ("serial", "overlap", "trees")
-DISPATCHES = ("tokencache", "naive", "naive-sglang")
-CLOCKS = ("steps", "measured", "gpu")
-TOPOLOGIES = ("one-device", "two-devices")
 _POLL_S = 0.02
 _log = logging.getLogger("tokencache_routing")
-
-
-def _positive_int(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
 
 
 class RoutedEngine:
@@ -98,30 +95,63 @@ class RoutedEngine:
         large_tp: int | None = None,
         large_tp_devices: Sequence[str] | None = None,
         configure: Callable[[CausalLM], None] | None = None,
+        config: EngineConfig | None = None,
     ) -> None:
         """large_tp=N: `large` (a CausalLM, or a picklable shard factory such as
         tokencache_models.tp_worker.CheckpointShard(path)) runs tensor-parallel over N ranks
         the engine starts itself (tp_launch.py: on CUDA cuda:1..N beside the small model's
         cuda:0, else gloo on the CPU; large_tp_devices to choose); configure(model) runs on
         every rank's shard; shutdown() stops them. A lost rank ends every request with
-        TPWorkerLost."""
-        if host_charge not in HOST_CHARGES:
-            raise ValueError(f"host_charge must be one of {HOST_CHARGES}, got {host_charge!r}")
-        if dispatch not in DISPATCHES:
-            raise ValueError(f"dispatch must be one of {', '.join(map(repr, DISPATCHES))}")
-        if mode not in ("events", "threaded"):
-            raise ValueError("mode must be 'events' (deterministic) or 'threaded'")
-        if mode == "threaded" and dispatch != "tokencache":
-            raise ValueError("mode='threaded' needs dispatch='tokencache' (naive has a barrier)")
-        if overlap is None:
-            overlap = dispatch == "tokencache"
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be a bool or None, got {overlap!r}")
-        if overlap and dispatch != "tokencache":
-            raise ValueError("overlap=True needs dispatch='tokencache' (naive has a barrier)")
+        TPWorkerLost.
+
+        config: the options as one EngineConfig (config.py) instead of the keywords from
+        num_slots to large_tp_devices (not both: a TypeError); the keywords build one, and it
+        is validated either way before anything starts."""
+        options: list[tuple[str, object]] = [
+            ("num_slots", num_slots),
+            ("large_num_slots", large_num_slots),
+            ("dispatch", dispatch),
+            ("scheduler", scheduler),
+            ("eos_token_id", eos_token_id),
+            ("page_size", page_size),
+            ("clock", clock),
+            ("large_step_cost", large_step_cost),
+            ("mode", mode),
+            ("topology", topology),
+            ("host_charge", host_charge),
+            ("kv_events", kv_events),
+            ("overlap", overlap),
+            ("large_tp", large_tp),
+            ("large_tp_devices", large_tp_devices),
+        ]
+        if config is None:
+            config = EngineConfig(
+                num_slots=num_slots,
+                large_num_slots=large_num_slots,
+                dispatch=cast(Dispatch, dispatch),
+                scheduler=scheduler,
+                eos_token_id=eos_token_id,
+                page_size=page_size,
+                clock=cast(ClockName | GpuClock, clock),
+                large_step_cost=large_step_cost,
+                mode=cast(Mode, mode),
+                topology=cast(Topology | None, topology),
+                host_charge=cast(HostCharge, host_charge),
+                kv_events=kv_events,
+                overlap=overlap,
+                large_tp=large_tp,
+                large_tp_devices=large_tp_devices,
+            )
+        else:
+            if not isinstance(config, EngineConfig):
+                raise TypeError(f"config must be an EngineConfig, got {config!r}")
+            given = [k for k, v in options if v is not DEFAULTS[k] and v != DEFAULTS[k]]
+            if given:
+                raise TypeError(f"pass {', '.join(given)} in config, not beside it")
+        self.config = config
         # large_tp: the large model's tensor-parallel group, started here (tp_launch.py).
         large, self._large_tp = engine_large(
-            self, large, large_tp, large_tp_devices, large_device, configure
+            self, large, config.large_tp, config.large_tp_devices, large_device, configure
         )
         # Vocabularies may differ in size, not in meaning: checkpoints of one family pad their
         # embedding tables differently (R1-Distill-Qwen-1.5B 151,936 rows, -32B 152,064). The
@@ -133,36 +163,24 @@ class RoutedEngine:
             small = small.to(torch.device(small_device))
         if large_device is not None:
             large = large.to(torch.device(large_device))
-        if not isinstance(clock, GpuClock) and clock not in CLOCKS:
-            raise ValueError(f"clock must be one of {CLOCKS} or a GpuClock, got {clock!r}")
-        if topology is None:
-            topology = "one-device" if small.device == large.device else "two-devices"
-        if topology not in TOPOLOGIES:
-            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
-        cost = large_step_cost
-        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost > 0:
-            raise ValueError(f"large_step_cost must be a positive number, got {cost!r}")
-        if not math.isfinite(cost):
-            raise ValueError(f"large_step_cost must be finite, got {cost!r}")
-        if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
-            raise TypeError("scheduler must be a SchedulerConfig")
-        n_small = _positive_int("num_slots", num_slots)
-        n_large = (
-            n_small
-            if large_num_slots is None
-            else _positive_int("large_num_slots", large_num_slots)
-        )
-        page_size = _positive_int("page_size", page_size)
-        self.mode = mode
+        clock = config.clock
+        dispatch = config.dispatch
+        if config.topology is None:
+            self.topology: Topology = (
+                "one-device" if small.device == large.device else "two-devices"
+            )
+        else:
+            self.topology = config.topology
+        n_small, n_large, page_size = config.num_slots, config.large_slots, config.page_size
+        self.mode = config.mode
         self.dispatch = dispatch
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
-        self.topology = topology
-        self.large_step_cost = float(cost)
-        self.host_charge = host_charge
+        self.eos_token_id = config.eos_token_id
+        self.large_step_cost = config.large_step_cost
+        self.host_charge = config.host_charge
         # Overlapped scheduling: the next small step is prepared and launched before the one
         # the device runs now is finished on the host (its tokens drawn on the device).
-        self.overlap = overlap
+        self.overlap = bool(config.overlap)  # resolved by EngineConfig
         self.gpu_clock = (
             GpuClock() if clock == "gpu" else clock if isinstance(clock, GpuClock) else None
         )
@@ -177,7 +195,7 @@ class RoutedEngine:
             side_cls, handle_cls = SGLangSide, NaiveSGLangKV
         # kv_events: both trees record the pages they store and remove (RadixTree.take_events),
         # what a KV-event publisher (tokencache serve --kv-events-config) drains.
-        self.kv_events = kv_events
+        kv_events = self.kv_events = config.kv_events
         self.sides = (
             side_cls("small", small, small.make_kv_pool(n_small), page_size, kv_events),
             side_cls("large", large, large.make_kv_pool(n_large), page_size, kv_events),
@@ -189,7 +207,7 @@ class RoutedEngine:
                 s.timer = time.thread_time
         self.sched = Scheduler(
             self.sides,
-            scheduler or SchedulerConfig(),
+            config.scheduler or SchedulerConfig(),
             router,
             handle_cls,
             barrier=dispatch != "tokencache",
