@@ -225,23 +225,3 @@ def route(
         rids=torch.tensor([r.route_key for r in batch], dtype=torch.int64),
     )
     return Decisions(router.route(feats), len(batch))
-
-
-def route_step(
-    router: Router,
-    out: ForwardOutput,
-    batch: Sequence[Request],
-    drawn: Draw | None = None,
-    decided: Decisions | None = None,
-) -> tuple[list[int], list[bool], Failed]:
-    """One small-model step's tokens, the router's escalate answers and the rows that could
-    not be sampled: drawn and decided when the step was launched (PreparedForward.launch),
-    or here for each request's next place."""
-    index = np.fromiter((r.n for r in batch), np.int64, len(batch))
-    if drawn is None:
-        drawn = draw(out.logits, batch, index)
-    if decided is None:
-        decided = route(router, out, batch, drawn.tokens, index)
-    escalate = decided.resolve()
-    tokens, failed = drawn.resolve(batch)
-    return tokens, escalate, failed
