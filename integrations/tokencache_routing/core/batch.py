@@ -238,14 +238,15 @@ class PreparedForward:
         sel = ForwardOutput(logits=out.logits[idx], hidden=out.hidden[idx.to(out.hidden.device)])
         return [self.batch[i] for i in rows], sel
 
-    def commit(self) -> None:
+    def commit(self, live: list[bool] | None = None) -> None:
         """The live rows' handles extended in one call (duplicates of cached tokens freed by
-        the handles); the other rows' new slots go back. Deferred input tokens are known by
-        now (the previous step committed them): they are read from the requests."""
+        the handles); the other rows' new slots go back (live: the caller's live() of this
+        step, else taken here). Deferred input tokens are known by now: the step they
+        continue was finished, its draw resolved (`after.resolved`)."""
         if self.done:
             raise RuntimeError("forward already committed or discarded")
         self.done = True
-        live = self.live()
+        live = self.live() if live is None else live  # the caller's, taken just before
         if self.after is not None and self.ahead is not None and self.source is not None:
             rows = np.flatnonzero(self.ahead)
             fed = np.asarray(live)[rows]

@@ -488,7 +488,7 @@ class Scheduler:
         self._unbusy(done)  # those continuing in nxt stay busy there
         parked: list[Request] = []
         try:
-            prep.commit()
+            prep.commit(live)
             st.steps += 1
             q_lens = np.diff(prep.q_off)
             st.small_tokens += int(q_lens[live].sum())
