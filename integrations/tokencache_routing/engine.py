@@ -409,7 +409,7 @@ class RoutedEngine:
                     self._progress(lambda: not news.empty())
                     continue
                 r = reqs[i]
-                with r.cond:
+                with r.lock:
                     new = list(zip(r.tokens[seen[i] :], r.token_models[seen[i] :], strict=True))
                     done = r.finished_reason is not None
                 seen[i] += len(new)
@@ -510,7 +510,7 @@ class RoutedEngine:
     def abort_request(self, r: Request) -> bool:
         """RequestDriver interface (RequestHandle.abort): r is aborted at the driver's next
         iteration; False when it already finished, is ending or was aborted."""
-        with r.cond:
+        with r.lock:
             if r.finished_reason is not None or r.ending is not None or r.abort_requested:
                 return False
             r.abort_requested = True
@@ -533,14 +533,14 @@ class RoutedEngine:
         self.notify(touched)
 
     def notify(self, reqs: list[Request]) -> None:
-        """Driver interface: wakes waiters and runs listeners (never under the scheduler lock)."""
+        """Driver interface: runs the listeners of requests with news (never under the
+        scheduler lock), each request's once; waiters poll (_progress)."""
         seen: set[int] = set()
         for r in reqs:
-            if r.rid in seen:
+            if not r.listeners or r.rid in seen:
                 continue
             seen.add(r.rid)
-            with r.cond:
-                r.cond.notify_all()
+            with r.lock:
                 listeners = list(r.listeners)
             for fn in listeners:
                 assert r.handle is not None
@@ -567,7 +567,7 @@ class RoutedEngine:
             if got:
                 lock.release()
         for r in reqs:  # as a failed listener ends its request (_listener_failed)
-            with r.cond:
+            with r.lock:
                 if r.finished_reason is None and r.ending is None and r.failure is None:
                     r.failure = error
                     r.abort_requested = True
@@ -578,7 +578,7 @@ class RoutedEngine:
     def _listener_failed(self, r: Request, error: Exception) -> None:
         """A listener raised: its request ends with that error at the driver's next iteration
         (as an abort would, nothing more delivered). Already ending, it keeps its own end."""
-        with r.cond:
+        with r.lock:
             late = r.finished_reason is not None or r.ending is not None
             if not late and r.failure is None:
                 r.failure = error

@@ -8,6 +8,7 @@ rest). Between hand-offs it decodes on a private slot list, as SGLang's req_to_t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -44,9 +45,7 @@ class NaiveKV(SlotRow):
         tokens: np.ndarray,
         slots: np.ndarray,
     ) -> None:
-        for i, h in enumerate(handles):
-            assert isinstance(h, NaiveKV)
-            h._committed(int(offsets[i + 1] - offsets[i]))
+        SlotRow.committed_many(cast("Sequence[NaiveKV]", handles), offsets)
 
     def park(self, seq: np.ndarray) -> None:
         """Leaving this model: cache the request as finished (SGLang cache_finished_req)."""

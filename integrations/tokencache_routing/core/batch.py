@@ -224,9 +224,10 @@ class PreparedForward:
 
     def live(self) -> list[bool]:
         """Rows whose request takes this forward's result: not dropped, not ended meanwhile."""
-        return [
-            i not in self.dropped and r.finished_reason is None for i, r in enumerate(self.batch)
-        ]
+        live = [r.finished_reason is None for r in self.batch]
+        for i in self.dropped:
+            live[i] = False
+        return live
 
     def complete(self, out: ForwardOutput) -> tuple[list[Request], ForwardOutput]:
         """The requests whose last chunk ran (every request, unless a chunk stopped short)
@@ -279,42 +280,68 @@ class PreparedForward:
             self.side.free(self.new_slots)
 
 
+@dataclass
+class RowPlan:
+    """One forward's rows as arrays (Scheduler._plan): each row's handle, where its tokens of
+    this step start and end in its sequence (ends < fulls: a chunk short of its last pending
+    token), the row of the in-flight forward it continues (source, -1: none; None: no row
+    does) and the new KV slots it takes in all (need)."""
+
+    handles: list[KVHandle]
+    starts: np.ndarray
+    fulls: np.ndarray
+    ends: np.ndarray
+    source: np.ndarray | None
+    need: int
+
+    def take(self, keep: np.ndarray) -> RowPlan:
+        """The plan of the rows where keep (a bool mask) is set."""
+        rows = np.flatnonzero(keep)
+        source = self.source[rows] if self.source is not None else None
+        ends, starts = self.ends[rows], self.starts[rows]
+        return RowPlan(
+            [self.handles[i] for i in rows.tolist()],
+            starts,
+            self.fulls[rows],
+            ends,
+            source,
+            int((ends - starts).sum()),
+        )
+
+
 def prepare_forward(
     side: ModelSide,
     batch: Sequence[Request],
     kind: int,
-    chunk: Sequence[int] | None = None,
+    plan: RowPlan,
     after: PreparedForward | None = None,
-    source: np.ndarray | None = None,
 ) -> PreparedForward:
-    """A forward over every request's tokens not yet in this model's KV (room already made),
-    or, chunked, over r.seq[length:end] for chunk's end per request (chunk_ends; each end past
-    its start). O(batch + new tokens): the new slots are appended to the requests' slot-table
-    rows, which the runner reads in place; nothing is copied per context token.
-    after / source: row i with source[i] >= 0 continues row source[i] of the in-flight forward
-    `after`: one new token, at the place after that row's, whose id is `after`'s draw (still on
-    the device: the runner resolves it)."""
+    """A forward over each request's r.seq[plan.starts[i]:plan.ends[i]] (room already made).
+    O(batch + new tokens): the new slots are appended to the requests' slot-table rows, which
+    the runner reads in place; nothing is copied per context token. A row with
+    plan.source[i] >= 0 continues that row of the in-flight forward `after`: one new token, at
+    the place after that row's, whose id is `after`'s draw (still on the device: the runner
+    resolves it)."""
     n = len(batch)
-    handles = [r.kv[kind] for r in batch]
-    starts = np.fromiter((h.length for h in handles), np.int64, n)
-    full = np.fromiter((r.n for r in batch), np.int64, n)
-    rows = np.fromiter((h.row for h in handles), np.int64, n)
-    ahead = dest = src = None
-    if after is not None and source is not None:
-        ahead = source >= 0
-        dest = np.flatnonzero(ahead)
-        src = source[dest]
-        starts[dest] = after.kv_lens[src]
-        full[dest] = starts[dest] + 1
-    ends = full if chunk is None else np.asarray(chunk, dtype=np.int64)
+    handles, starts, full, ends = plan.handles, plan.starts, plan.fulls, plan.ends
+    source = plan.source if after is not None else None
+    dest = np.flatnonzero(source >= 0) if source is not None else None
+    if after is not None and source is not None and dest is not None and len(dest) == n:
+        assert after.host.rows is not None
+        rows = after.host.rows[source]  # every row continues one there: the same table rows
+    else:
+        rows = np.fromiter((h.row for h in handles), np.int64, n)
     q_lens = ends - starts
     q_off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=q_off[1:])
     total = int(q_off[-1])
     if total == n:  # decode: each request's one token at its last position
-        tokens = np.fromiter(
-            (r.seq[e - 1] for r, e in zip(batch, ends.tolist(), strict=True)), np.int64, n
-        )
+        if dest is not None and len(dest) == n:  # all deferred: placeholders, set below
+            tokens = np.zeros(n, np.int64)
+        else:
+            tokens = np.fromiter(
+                (r.seq[e - 1] for r, e in zip(batch, ends.tolist(), strict=True)), np.int64, n
+            )
         positions, token_rows = starts, rows
     else:
         tokens = np.concatenate([r.seq[s:e] for r, s, e in zip(batch, starts, ends, strict=True)])
@@ -326,10 +353,11 @@ def prepare_forward(
     prep = PreparedForward(
         side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full
     )
-    if after is not None and dest is not None and src is not None and len(dest):
+    if after is not None and source is not None and dest is not None and len(dest):
         assert after.drawn is not None, "the forward continued from was not launched"
+        src = source[dest]
         tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
         host.deferred = DeferredTokens(after.drawn.tokens, src, q_off[dest])
-        prep.after, prep.ahead, prep.source = after, ahead, src
+        prep.after, prep.ahead, prep.source = after, source >= 0, src
         after.successor = prep
     return prep

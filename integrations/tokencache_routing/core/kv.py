@@ -176,6 +176,12 @@ class SlotRow:
         """n more tokens are this request's: prepare_forward wrote their slots already."""
         self._n += n
 
+    @staticmethod
+    def committed_many(handles: Sequence[SlotRow], offsets: np.ndarray) -> None:
+        """_committed for a batch: handle i took offsets[i + 1] - offsets[i] more tokens."""
+        for h, n in zip(handles, np.diff(offsets).tolist(), strict=True):
+            h._n += n
+
     def _drop_row(self) -> None:
         if self._row >= 0:
             self.side.table.release(self._row)
@@ -225,12 +231,10 @@ class CursorKV(SlotRow):
             if len(cursors) != len(mine):
                 raise RuntimeError("commit_many: a handle has no cursor (not attached)")
             dedup = side.tree.extend_many(cursors, offsets, tokens, slots)
-        rows = np.fromiter((h.row for h in mine), np.int64, len(mine))
-        for i, h in enumerate(mine):
-            h._committed(int(offsets[i + 1] - offsets[i]))
+        SlotRow.committed_many(mine, offsets)
         if len(dedup):
-            req = dedup.request
-            side.table.patch(rows[req], dedup.positions, dedup.slots)
+            rows = np.fromiter((mine[i].row for i in dedup.request.tolist()), np.int64)
+            side.table.patch(rows, dedup.positions, dedup.slots)
             side.free(dedup.freed)
 
     def park(self, seq: np.ndarray) -> None:

@@ -23,6 +23,7 @@ from tokencache_models import ForwardOutput
 
 from .batch import (
     PreparedForward,
+    RowPlan,
     attach_all,
     chunk_ends,
     overlaps_prefill,
@@ -226,7 +227,7 @@ class Scheduler:
         except Exception as e:
             reason, error = "error", error or e
         finally:
-            with r.cond:
+            with r.lock:
                 if r.failure is not None and reason != "error":
                     reason, error = "error", r.failure
                 elif r.abort_requested and reason != "error":
@@ -364,6 +365,36 @@ class Scheduler:
                 batch.remove(victim)
             self.preempt(victim)
 
+    def _plan(
+        self,
+        batch: Sequence[Request],
+        kind: int,
+        after: PreparedForward | None,
+        ahead: dict[int, int],
+    ) -> RowPlan:
+        """Where each row's tokens of this step start and end (chunk_ends under the token
+        budget), as arrays: a row continuing the in-flight forward `after` (ahead: id ->
+        its row there) takes one token after that row's. O(batch) array work; the per-row
+        chunk rule runs only when the pending tokens exceed the budget."""
+        n = len(batch)
+        handles = [r.kv[kind] for r in batch]
+        starts = np.fromiter((h.length for h in handles), np.int64, n)
+        fulls = np.fromiter((r.n for r in batch), np.int64, n)
+        source = None
+        if ahead and after is not None:
+            source = np.fromiter((ahead.get(id(r), -1) for r in batch), np.int64, n)
+            cont = np.flatnonzero(source >= 0)
+            starts[cont] = after.kv_lens[source[cont]]
+            fulls[cont] = starts[cont] + 1
+        budget = self.cfg.token_budget(kind)
+        need = int((fulls - starts).sum())
+        ends = fulls
+        if 0 < budget < need:
+            chunked = chunk_ends(batch, kind, budget, starts.tolist(), fulls.tolist())
+            ends = np.asarray(chunked, dtype=np.int64)
+            need = int((ends - starts).sum())
+        return RowPlan(handles, starts, fulls, ends, source, need)
+
     def _prepare(
         self,
         batch: list[Request],
@@ -382,32 +413,21 @@ class Scheduler:
         ahead = ahead or {}
         try:
             attach_all(batch, kind)
-            self.make_room(side, batch, kind, ahead)
-            starts = [r.kv[kind].length for r in batch]
-            fulls = [r.n for r in batch]
-            if ahead and after is not None:
-                for i, r in enumerate(batch):
-                    row = ahead.get(id(r))
-                    if row is not None:
-                        starts[i] = int(after.kv_lens[row])
-                        fulls[i] = starts[i] + 1
-            ends = chunk_ends(batch, kind, self.cfg.token_budget(kind), starts, fulls)
-            run = [e > a for a, e in zip(starts, ends, strict=True)]
-            if not all(run):
-                deferred += [
-                    r for r, go in zip(batch, run, strict=True) if not go and id(r) not in ahead
-                ]
-                for r, go in zip(batch, run, strict=True):
-                    if not go:
-                        ahead.pop(id(r), None)
-                ends = [e for e, go in zip(ends, run, strict=True) if go]
-                batch[:] = [r for r, go in zip(batch, run, strict=True) if go]
+            plan = self._plan(batch, kind, after, ahead)
+            if side.pool.available < plan.need:  # evict or preempt (rare): plan again after
+                self.make_room(side, batch, kind, ahead)
+                plan = self._plan(batch, kind, after, ahead)
+            run = plan.ends > plan.starts
+            if not run.all():  # the token budget gives these nothing this step
+                for i in np.flatnonzero(~run).tolist():
+                    r = batch[i]
+                    if ahead.pop(id(r), None) is None:
+                        deferred.append(r)
+                batch[:] = [batch[i] for i in np.flatnonzero(run).tolist()]
+                plan = plan.take(run)
             if not batch:
                 return None
-            source = None
-            if ahead:
-                source = np.fromiter((ahead.get(id(r), -1) for r in batch), np.int64, len(batch))
-            prep = prepare_forward(side, batch, kind, ends, after, source)
+            prep = prepare_forward(side, batch, kind, plan, after)
         except WaitForMemory:
             raise
         except Exception as e:
@@ -438,23 +458,25 @@ class Scheduler:
         cap = self.cfg.max_running
         batch = ready[:cap]
         ahead: dict[int, int] = {}
+        if batch:  # the ready ones leave the running list (a busy request is never on it)
+            chosen = {id(r) for r in batch}
+            self.running = [r for r in self.running if id(r) not in chosen]
         if after is not None:
             live = after.live()
+            short = after.incomplete.tolist()  # a chunk short of its end: no token drawn
             for i, r in enumerate(after.batch):
                 if len(batch) >= cap:
                     break
                 if (
                     live[i]
-                    and not after.incomplete[i]  # a chunk short of its end: no token drawn
+                    and not short[i]
                     and not r.abort_requested
-                    and r.num_generated + 1 < r.max_new_tokens
+                    and r.n - r.prompt_len + 1 < r.max_new_tokens  # the drawn one is not its last
                 ):
                     ahead[id(r)] = i
                     batch.append(r)
         if not batch:
             return None
-        chosen = {id(r) for r in batch}
-        self.running = [r for r in self.running if id(r) not in chosen]
         deferred: list[Request] = []  # left out by the token budget: next step, first
         try:
             prep = self._prepare(batch, SMALL, deferred, after, ahead)
@@ -523,26 +545,33 @@ class Scheduler:
                 nxt.dropped.add(row)
                 self._unbusy([r])
 
-        def step(i: int, r: Request) -> None:
-            if not live[i] or prep.incomplete[i]:  # dropped, or a chunk short of its end
-                return
-            try:
-                if i in failed:  # its row could not be sampled: it ends alone, with that error
-                    raise failed[i]
-                if escalate[i]:  # park: the small token is discarded and never fed
-                    leave_next(r)
-                    r.kv[SMALL].park(r.seq)
-                    r.parked_at = now
-                    parked.append(r)
-                    st.escalations += 1
-                elif not self.commit_token(r, tokens[i], SMALL, now) and id(r) not in cont:
-                    self.running.append(r)
-            finally:
-                if r.finished_reason is not None:
-                    leave_next(r)
-
+        # Per row, as _each does (one that raises ends alone; an interrupt ends the rest),
+        # written out: this loop runs once per request per small step.
+        batch = prep.batch
+        skip = prep.incomplete.tolist()
         try:
-            self._each(prep.batch, step)
+            for i, r in enumerate(batch):
+                if skip[i] or not live[i] or r.finished_reason is not None:
+                    continue  # a chunk short of its end, dropped, or ended meanwhile
+                try:
+                    if i in failed:  # its row could not be sampled: it ends alone, with that
+                        raise failed[i]
+                    if escalate[i]:  # park: the small token is discarded and never fed
+                        leave_next(r)
+                        r.kv[SMALL].park(r.seq)
+                        r.parked_at = now
+                        parked.append(r)
+                        st.escalations += 1
+                    elif self.commit_token(r, tokens[i], SMALL, now):
+                        leave_next(r)
+                    elif id(r) not in cont:
+                        self.running.append(r)
+                except Exception as e:
+                    self.fail([r], e)
+                    leave_next(r)
+                except BaseException as e:
+                    self.fail(batch[i:], e)
+                    raise
         finally:
             self.parked += parked
         return parked
@@ -655,13 +684,21 @@ class Scheduler:
 
     def commit_token(self, r: Request, token: int, model: int, now: float) -> bool:
         """Appends a token and hands it to the caller; True when r finished (released)."""
-        r.seq[r.n] = token
-        r.n += 1
+        n = r.n
+        r.seq[n] = token
+        r.n = n = n + 1
         r.models.append(model)
-        self.stats.tokens += 1
-        self.stats.large_tokens += model == LARGE
-        reason = r.finished_by(token)
-        with r.cond:
+        st = self.stats
+        st.tokens += 1
+        if model == LARGE:
+            st.large_tokens += 1
+        if token in r.stop_token_ids:
+            reason: str | None = "stop"
+        elif n - r.prompt_len >= r.max_new_tokens:
+            reason = "length"
+        else:
+            reason = None
+        with r.lock:
             if not r.abort_requested:  # nothing is delivered after abort() returned
                 r.tokens.append(token)
                 r.token_models.append(model)

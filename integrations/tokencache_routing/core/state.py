@@ -85,7 +85,7 @@ GREEDY = SamplingParams()
 
 class Request:
     """One request's tokens and KV handles, owned by the scheduler (its lock guards every field
-    but the delivery ones, which the handle's condition guards)."""
+    but the delivery ones, which the request's own `lock` guards)."""
 
     def __init__(
         self,
@@ -119,7 +119,10 @@ class Request:
         # SMALL or LARGE while inside that model's forward running now (threaded driver), else -1
         self.busy_model = -1
         # delivery to the caller
-        self.cond = threading.Condition()
+        # Guards the delivery fields. A plain lock, not a condition: nobody blocks on a
+        # request (waits poll, RoutedEngine._progress; listeners are called), so a commit
+        # pays for no notify.
+        self.lock = threading.RLock()
         self.tokens: list[int] = []
         self.token_models: list[int] = []
         self.finished_reason: str | None = None
@@ -153,13 +156,6 @@ class Request:
     @property
     def num_generated(self) -> int:
         return self.n - self.prompt_len
-
-    def finished_by(self, token: int) -> str | None:
-        if token in self.stop_token_ids:
-            return "stop"
-        if self.num_generated >= self.max_new_tokens:
-            return "length"
-        return None
 
 
 class RequestDriver(Protocol):
@@ -223,7 +219,7 @@ class DriverEngine(Protocol):
     def has_submissions(self) -> bool: ...
 
     def notify(self, reqs: list[Request]) -> None:
-        """Outside the scheduler lock: wakes waiters and runs listeners."""
+        """Outside the scheduler lock: runs the listeners of requests with news."""
         ...
 
     def now(self) -> float:
@@ -263,13 +259,13 @@ class RequestHandle:
     @property
     def tokens(self) -> list[int]:
         """Tokens delivered so far (a copy)."""
-        with self._req.cond:
+        with self._req.lock:
             return list(self._req.tokens)
 
     @property
     def models(self) -> list[int]:
         """Per delivered token: 0 = the small model wrote it, 1 = the large model."""
-        with self._req.cond:
+        with self._req.lock:
             return list(self._req.token_models)
 
     @property
@@ -283,7 +279,7 @@ class RequestHandle:
     @property
     def token_times(self) -> list[float]:
         """Engine clock (seconds) at each delivered token; submission is at submitted_at."""
-        with self._req.cond:
+        with self._req.lock:
             return list(self._req.token_times)
 
     @property
@@ -304,13 +300,13 @@ class RequestHandle:
 
     def tokens_since(self, start: int) -> tuple[list[int], list[int]]:
         """(tokens, models) delivered from index `start` on: O(new tokens), for listeners."""
-        with self._req.cond:
+        with self._req.lock:
             return self._req.tokens[start:], self._req.token_models[start:]
 
     def add_listener(self, fn: Callable[[RequestHandle], None]) -> None:
         """fn(handle) runs on the engine's driver thread after new tokens and once at the end.
         Called at once when tokens or the end are already there."""
-        with self._req.cond:
+        with self._req.lock:
             self._req.listeners.append(fn)
             now = bool(self._req.tokens) or self.done()
         if now:
@@ -320,7 +316,7 @@ class RequestHandle:
         """(token, model) pairs as they are delivered; ends when the request finishes."""
         i = 0
         while True:
-            with self._req.cond:
+            with self._req.lock:
                 if i < len(self._req.tokens):
                     batch = list(zip(self._req.tokens[i:], self._req.token_models[i:], strict=True))
                     i += len(batch)
