@@ -378,14 +378,19 @@ class Scheduler:
         chunk rule runs only when the pending tokens exceed the budget."""
         n = len(batch)
         handles = [r.kv[kind] for r in batch]
-        starts = np.fromiter((h.length for h in handles), np.int64, n)
-        fulls = np.fromiter((r.n for r in batch), np.int64, n)
         source = None
         if ahead and after is not None:
             source = np.fromiter((ahead.get(id(r), -1) for r in batch), np.int64, n)
-            cont = np.flatnonzero(source >= 0)
-            starts[cont] = after.kv_lens[source[cont]]
-            fulls[cont] = starts[cont] + 1
+        if source is not None and after is not None and len(ahead) == n:  # every row continues
+            starts = after.kv_lens[source]
+            fulls = starts + 1
+        else:
+            starts = np.fromiter((h.length for h in handles), np.int64, n)
+            fulls = np.fromiter((r.n for r in batch), np.int64, n)
+            if source is not None and after is not None:
+                cont = np.flatnonzero(source >= 0)
+                starts[cont] = after.kv_lens[source[cont]]
+                fulls[cont] = starts[cont] + 1
         budget = self.cfg.token_budget(kind)
         need = int((fulls - starts).sum())
         ends = fulls
@@ -412,7 +417,7 @@ class Scheduler:
         side = self.sides[kind]
         ahead = ahead or {}
         try:
-            attach_all(batch, kind)
+            attach_all(batch if not ahead else [r for r in batch if id(r) not in ahead], kind)
             plan = self._plan(batch, kind, after, ahead)
             if side.pool.available < plan.need:  # evict or preempt (rare): plan again after
                 self.make_room(side, batch, kind, ahead)
@@ -528,9 +533,11 @@ class Scheduler:
                 decided = route(self.router, sel, batch, toks, index)
             answers = decided.resolve()
             tokens, failed = drawn.resolve(prep.batch)
-            escalate = [False] * len(prep.batch)
-            for k, i in enumerate(rows):
-                escalate[i] = answers[k]
+            escalate = answers  # one answer per row unless a chunk stopped short
+            if len(rows) < len(prep.batch):
+                escalate = [False] * len(prep.batch)
+                for k, i in enumerate(rows):
+                    escalate[i] = answers[k]
             prep.resolved = np.asarray(tokens, dtype=np.int64)
         except BaseException as e:
             self.abandon(prep, e, live)
@@ -687,7 +694,6 @@ class Scheduler:
         n = r.n
         r.seq[n] = token
         r.n = n = n + 1
-        r.models.append(model)
         st = self.stats
         st.tokens += 1
         if model == LARGE:

@@ -103,7 +103,6 @@ class Request:
         self.seq = np.empty(len(prompt) + max_new_tokens, dtype=np.int64)
         self.seq[: len(prompt)] = prompt
         self.n = len(prompt)
-        self.models: list[int] = []
         self.kv: list[KVHandle] = []
         self.sampling = sampling
         self.stop_token_ids = stop_token_ids
