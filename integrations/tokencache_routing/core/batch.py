@@ -164,6 +164,7 @@ class PreparedForward:
     # Per request: its chunk stops short of its last pending token (chunked prefill): the
     # chunk's KV is committed, nothing is sampled, routed or delivered for it this step.
     incomplete: np.ndarray
+    facts: RowFacts
     done: bool = False
     # Overlap: the in-flight forward this one continues, which rows do (ahead) and their rows
     # there (source); dropped once committed, so no chain of forwards stays referenced.
@@ -210,16 +211,17 @@ class PreparedForward:
         waiting for this step only); returns the forward's device time as run()."""
         out, dt = self.run()
         self.out = out
-        self.drawn = draw(out.logits, self.batch, self.kv_lens)
+        self.drawn = draw(out.logits, self.batch, self.kv_lens, self.facts.sampled)
         if router is not None:
             rows, sel = self.complete(out)
-            tokens = self.drawn.tokens
+            tokens, index, facts = self.drawn.tokens, self.kv_lens, self.facts
             if len(rows) < len(self.batch):
-                tokens = tokens[
-                    torch.from_numpy(np.flatnonzero(~self.incomplete)).to(tokens.device)
-                ]
-            index = self.kv_lens[~self.incomplete]
-            self.decided = route(router, sel, rows, tokens, index)
+                done = np.flatnonzero(~self.incomplete)
+                tokens = tokens[torch.from_numpy(done).to(tokens.device)]
+                index, facts = index[done], facts.take(done)
+            self.decided = route(
+                router, sel, rows, tokens, index, facts.prompt_len, facts.route_key
+            )
         return dt
 
     def live(self) -> list[bool]:
@@ -278,6 +280,60 @@ class PreparedForward:
         if not self.done:
             self.done = True
             self.side.free(self.new_slots)
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """What a forward's rows' requests keep while they run, as arrays (the sampler, the
+    router and the scheduler read these instead of one attribute per request per step):
+    prompt length, the sequence length at which a request ends by length (limit), the id
+    routers see (route_key), and whether it samples (not greedy)."""
+
+    prompt_len: np.ndarray
+    limit: np.ndarray
+    route_key: np.ndarray
+    sampled: np.ndarray
+
+    @classmethod
+    def of(cls, batch: Sequence[Request]) -> RowFacts:
+        n = len(batch)
+        prompt = np.fromiter((r.prompt_len for r in batch), np.int64, n)
+        return cls(
+            prompt,
+            prompt + np.fromiter((r.max_new_tokens for r in batch), np.int64, n),
+            np.fromiter((r.route_key for r in batch), np.int64, n),
+            np.fromiter((not r.sampling.greedy for r in batch), np.bool_, n),
+        )
+
+    def take(self, rows: np.ndarray) -> RowFacts:
+        return RowFacts(
+            self.prompt_len[rows], self.limit[rows], self.route_key[rows], self.sampled[rows]
+        )
+
+    @classmethod
+    def carried(
+        cls, batch: Sequence[Request], source: np.ndarray | None, after: PreparedForward | None
+    ) -> RowFacts:
+        """The facts of `batch`, whose row i continues row source[i] of `after` (-1: none):
+        those rows' facts come from there, only the others' from their requests."""
+        if source is None or after is None:
+            return cls.of(batch)
+        cont = source >= 0
+        if cont.all():
+            return after.facts.take(source)
+        fresh = np.flatnonzero(~cont)
+        new = cls.of([batch[i] for i in fresh.tolist()])
+        old = after.facts.take(source[cont])
+        parts = []
+        for a, b in zip(
+            (old.prompt_len, old.limit, old.route_key, old.sampled),
+            (new.prompt_len, new.limit, new.route_key, new.sampled),
+            strict=True,
+        ):
+            col = np.empty(len(batch), a.dtype)
+            col[cont], col[fresh] = a, b
+            parts.append(col)
+        return cls(*parts)
 
 
 @dataclass
@@ -350,8 +406,9 @@ def prepare_forward(
     new_slots = side.alloc(total)
     side.table.scatter(token_rows, positions, new_slots)
     host = HostBatch.from_table(side.table, rows, tokens, positions, new_slots, q_off, ends)
+    facts = RowFacts.carried(batch, source, after)
     prep = PreparedForward(
-        side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full
+        side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full, facts
     )
     if after is not None and source is not None and dest is not None and len(dest):
         assert after.drawn is not None, "the forward continued from was not launched"

@@ -129,12 +129,21 @@ class Draw:
         return tokens.tolist(), failed
 
 
-def draw(logits: torch.Tensor, batch: Sequence[Request], index: np.ndarray) -> Draw:
+def draw(
+    logits: torch.Tensor,
+    batch: Sequence[Request],
+    index: np.ndarray,
+    sampled: np.ndarray | None = None,
+) -> Draw:
     """Next token per row, as device work: argmax for greedy requests, else a draw from
     softmax((l - max) / T) in the top_p nucleus with uniform(seed, index[i]), index[i] being
-    the place of row i's token in its request's sequence."""
+    the place of row i's token in its request's sequence. sampled: which rows are not greedy,
+    when the caller knows (RowFacts), else read from each request."""
     tok = logits.argmax(-1)
-    rows = [i for i, r in enumerate(batch) if not r.sampling.greedy]
+    if sampled is None:
+        rows = [i for i, r in enumerate(batch) if not r.sampling.greedy]
+    else:
+        rows = np.flatnonzero(sampled).tolist()
     if not rows:
         return Draw(tok, [], {})
     seeds, rows, failed = _seeds(batch, rows)
@@ -211,17 +220,24 @@ def route(
     batch: Sequence[Request],
     tokens: torch.Tensor,
     index: np.ndarray,
+    prompt_len: np.ndarray | None = None,
+    route_key: np.ndarray | None = None,
 ) -> Decisions:
     """The router over one small step's output and drawn tokens, as device work where the
     router's is (index: the place of each row's token in its request, so its generated
-    position is index - prompt length even for a row continuing a step not finished yet). A
-    router may answer with a bool tensor, a numpy array or a list, one entry per request."""
-    prompt = np.fromiter((r.prompt_len for r in batch), np.int64, len(batch))
+    position is index - prompt length even for a row continuing a step not finished yet;
+    prompt_len / route_key: the requests', when the caller has them as arrays). A router may
+    answer with a bool tensor, a numpy array or a list, one entry per request."""
+    n = len(batch)
+    if prompt_len is None:
+        prompt_len = np.fromiter((r.prompt_len for r in batch), np.int64, n)
+    if route_key is None:
+        route_key = np.fromiter((r.route_key for r in batch), np.int64, n)
     feats = RouterFeatures(
         logits=out.logits,
         hidden=out.hidden,
         tokens=tokens,
-        positions=torch.from_numpy(np.asarray(index, np.int64) - prompt),
-        rids=torch.tensor([r.route_key for r in batch], dtype=torch.int64),
+        positions=torch.from_numpy(np.asarray(index, np.int64) - prompt_len),
+        rids=torch.from_numpy(np.array(route_key, np.int64)),  # a copy: routers may keep it
     )
     return Decisions(router.route(feats), len(batch))

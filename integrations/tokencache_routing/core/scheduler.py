@@ -468,16 +468,13 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in chosen]
         if after is not None:
             live = after.live()
-            short = after.incomplete.tolist()  # a chunk short of its end: no token drawn
+            # Not a chunk short of its end (no token drawn), and room for a token after the
+            # drawn one (its place is kv_lens: the step before `after` is committed).
+            goes_on = (~after.incomplete & (after.kv_lens + 1 < after.facts.limit)).tolist()
             for i, r in enumerate(after.batch):
                 if len(batch) >= cap:
                     break
-                if (
-                    live[i]
-                    and not short[i]
-                    and not r.abort_requested
-                    and r.n - r.prompt_len + 1 < r.max_new_tokens  # the drawn one is not its last
-                ):
+                if live[i] and goes_on[i] and not r.abort_requested:
                     ahead[id(r)] = i
                     batch.append(r)
         if not batch:
@@ -517,15 +514,18 @@ class Scheduler:
         try:
             prep.commit(live)
             st.steps += 1
-            q_lens = np.diff(prep.q_off)
-            st.small_tokens += int(q_lens[live].sum())
-            st.dropped_rows += len(live) - sum(live)
+            kept = sum(live)
+            if kept == len(live):
+                st.small_tokens += prep.num_tokens
+            else:
+                st.small_tokens += int(np.diff(prep.q_off)[np.asarray(live)].sum())
+                st.dropped_rows += len(live) - kept
             self.running += [r for r in self._partial(prep) if r.finished_reason is None]
             batch, sel = prep.complete(out)
             rows = np.flatnonzero(~prep.incomplete).tolist()
             drawn = prep.drawn
             if drawn is None:  # run() rather than launch(): drawn here
-                drawn = prep.drawn = draw(out.logits, prep.batch, prep.kv_lens)
+                drawn = prep.drawn = draw(out.logits, prep.batch, prep.kv_lens, prep.facts.sampled)
             decided = prep.decided
             if decided is None:
                 index = prep.kv_lens[~prep.incomplete]
@@ -620,7 +620,7 @@ class Scheduler:
             prep.commit()
             self.parked[:0] = self._partial(prep)
             if prep.drawn is None:  # run() rather than launch(): drawn here
-                prep.drawn = draw(out.logits, prep.batch, prep.kv_lens)
+                prep.drawn = draw(out.logits, prep.batch, prep.kv_lens, prep.facts.sampled)
             tokens, failed = prep.drawn.resolve(prep.batch)
         except BaseException as e:
             self.abandon(prep, e)
