@@ -6,6 +6,7 @@ fails, is aborted or preempted between its chunks."""
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from typing import Any
 
@@ -19,6 +20,7 @@ from test_failures import Flaky, FlakyModel, check_exact, check_idle
 
 from tokencache_routing import (
     BernoulliRouter,
+    EntropyRouter,
     RoutedEngine,
     SchedulerConfig,
     ScriptedRouter,
@@ -439,3 +441,34 @@ def test_shared_prompt_caught_up_once_in_chunks(pair: Any, mode: str, large_budg
     assert st.escalations == n and st.preemptions == 0
     written = sum(len(p) + at for p in prompts)
     assert sum(st.catchup_tokens) == written - (n - 1) * shared
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_overlap_runs_a_chunked_prompt_one_chunk_per_step(pair: Any, mode: str) -> None:
+    """With overlap a prompt split in chunks goes on with its next chunk in the step launched
+    while the one running its chunk is in flight (the chunk's tokens are known on the host):
+    no step of the small model passes without one of its chunks, so its prompt takes as many
+    small forwards as it has chunks and each forward after the first continues the previous
+    one. (Joining only the step after, as before, leaves every other forward without it.)"""
+    small, large = pair
+    sched = SchedulerConfig(chunked_prefill_size=8)
+    eng = RoutedEngine(small, large, EntropyRouter(math.inf), 512, mode=mode, scheduler=sched)
+    assert eng.overlap
+    prompt = make_prompts(1, seed=81, lo=41, hi=41)[0]  # 41 pending tokens: 6 chunks
+    forwards: list[tuple[int, bool]] = []  # (tokens, continues the forward in flight)
+    inner = eng.sched.schedule_small
+
+    def schedule_small(after: Any = None) -> Any:
+        prep = inner(after)
+        if prep is not None:
+            forwards.append((prep.num_tokens, prep.ahead is not None and bool(prep.ahead.any())))
+        return prep
+
+    eng.sched.schedule_small = schedule_small  # type: ignore[method-assign]
+    res = eng.generate([prompt], 4)
+    ref, _ = reference_generate(small, large, [prompt], 4, lambda rid, pos: False)
+    assert res.tokens == ref
+    assert [n for n, _ in forwards[:6]] == [8, 8, 8, 8, 8, 1]
+    assert len(forwards) == 6 + 3  # the chunks, then a decode step per token after the first
+    assert [cont for _, cont in forwards] == [False] + [True] * 8
+    check_idle(eng)

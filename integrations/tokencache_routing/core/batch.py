@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,17 +130,6 @@ def chunk_ends(
     return ends
 
 
-def tokens_needed(
-    batch: Sequence[Request], kind: int, budget: int = 0, ahead: Collection[int] = ()
-) -> int:
-    """New KV slots the batch's next forward takes (its chunks under a budget); a request
-    continuing a step in flight (its id in ahead) takes one, its deferred token."""
-    starts = [0 if id(r) in ahead else r.kv[kind].length for r in batch]
-    fulls = [1 if id(r) in ahead else r.n for r in batch]
-    ends = chunk_ends(batch, kind, budget, starts, fulls)
-    return sum(e - a for a, e in zip(starts, ends, strict=True))
-
-
 @dataclass
 class PreparedForward:
     """One forward's inputs with its new KV slots allocated. Whoever prepares it must end it
@@ -148,10 +137,11 @@ class PreparedForward:
     when the forward, the router or a commit raises.
 
     Overlapped scheduling prepares a small step while the previous one still runs: a request of
-    that step continues here with its input token still on the device (`ahead` rows: the
-    previous step's draw, resolved by the runner, DeferredTokens). A row whose request the
-    previous step parks or ends is dropped (`dropped`): computed, never committed, its slot
-    freed."""
+    that step continues here (`ahead` rows), with its input token still on the device (the
+    previous step's draw, resolved by the runner, DeferredTokens), or, when its chunk there
+    stopped short of its prompt's end, with its next chunk (tokens known on the host). A row
+    whose request the previous step parks or ends is dropped (`dropped`): computed, never
+    committed, its slot freed."""
 
     side: ModelSide
     batch: list[Request]
@@ -166,10 +156,12 @@ class PreparedForward:
     incomplete: np.ndarray
     facts: RowFacts
     done: bool = False
-    # Overlap: the in-flight forward this one continues, which rows do (ahead) and their rows
-    # there (source); dropped once committed, so no chain of forwards stays referenced.
+    # Overlap: the in-flight forward this one continues, which rows do (ahead), those whose
+    # input token is its draw (deferred_rows) and their rows there (source); dropped once
+    # committed, so no chain of forwards stays referenced.
     after: PreparedForward | None = None
     ahead: np.ndarray | None = None
+    deferred_rows: np.ndarray | None = None
     source: np.ndarray | None = None
     # The prefix groups a shared-prefix runner reads once and their traffic (GpuClock.prefix_of);
     # set by the engine when its GPU clock models one (NO_PREFIX: none, or not asked)
@@ -250,13 +242,14 @@ class PreparedForward:
             raise RuntimeError("forward already committed or discarded")
         self.done = True
         live = self.live() if live is None else live  # the caller's, taken just before
-        if self.after is not None and self.ahead is not None and self.source is not None:
-            rows = np.flatnonzero(self.ahead)
-            fed = np.asarray(live)[rows]
-            if fed.any():
-                if self.after.resolved is None:
-                    raise RuntimeError("a forward committed before the one it continues")
-                self.tokens[self.q_off[rows[fed]]] = self.after.resolved[self.source[fed]]
+        if self.after is not None:
+            rows, source = self.deferred_rows, self.source
+            if rows is not None and source is not None and len(rows):
+                fed = np.asarray(live)[rows]
+                if fed.any():
+                    if self.after.resolved is None:
+                        raise RuntimeError("a forward committed before the one it continues")
+                    self.tokens[self.q_off[rows[fed]]] = self.after.resolved[source[fed]]
             self.after = None
         if all(live):
             self.handles[0].commit_many(
@@ -377,12 +370,19 @@ def prepare_forward(
     the runner reads in place; nothing is copied per context token. A row with
     plan.source[i] >= 0 continues that row of the in-flight forward `after`: one new token, at
     the place after that row's, whose id is `after`'s draw (still on the device: the runner
-    resolves it)."""
+    resolves it), or, where that row's chunk stopped short of its end, the next chunk."""
     n = len(batch)
     handles, starts, full, ends = plan.handles, plan.starts, plan.fulls, plan.ends
     source = plan.source if after is not None else None
-    dest = np.flatnonzero(source >= 0) if source is not None else None
-    if after is not None and source is not None and dest is not None and len(dest) == n:
+    dest = cont = None
+    if after is not None and source is not None:
+        cont = source >= 0
+        # A row continuing a chunk short of its end there takes its next chunk from the host;
+        # the others take the token drawn there (deferred).
+        chunk = np.zeros(n, np.bool_)
+        chunk[cont] = after.incomplete[source[cont]]
+        dest = np.flatnonzero(cont & ~chunk)
+    if after is not None and source is not None and cont is not None and cont.all():
         assert after.host.rows is not None
         rows = after.host.rows[source]  # every row continues one there: the same table rows
     else:
@@ -410,11 +410,14 @@ def prepare_forward(
     prep = PreparedForward(
         side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full, facts
     )
-    if after is not None and source is not None and dest is not None and len(dest):
-        assert after.drawn is not None, "the forward continued from was not launched"
-        src = source[dest]
-        tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
-        host.deferred = DeferredTokens(after.drawn.tokens, src, q_off[dest])
-        prep.after, prep.ahead, prep.source = after, source >= 0, src
-        after.successor = prep
+    if after is not None and source is not None and cont is not None and dest is not None:
+        if cont.any():
+            prep.after, prep.ahead = after, cont
+            after.successor = prep
+        if len(dest):
+            assert after.drawn is not None, "the forward continued from was not launched"
+            src = source[dest]
+            tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
+            host.deferred = DeferredTokens(after.drawn.tokens, src, q_off[dest])
+            prep.deferred_rows, prep.source = dest, src
     return prep

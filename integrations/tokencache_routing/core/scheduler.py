@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +29,6 @@ from .batch import (
     overlaps_prefill,
     prepare_forward,
     take_catchup_batch,
-    tokens_needed,
 )
 from .kv import KVHandle, ModelSide
 from .routers import Router
@@ -340,14 +339,18 @@ class Scheduler:
         self.admit_blocked = True
 
     def make_room(
-        self, side: ModelSide, batch: list[Request], kind: int, ahead: Collection[int] = ()
+        self,
+        side: ModelSide,
+        batch: list[Request],
+        kind: int,
+        need_of: Callable[[list[Request]], int],
     ) -> None:
-        """Evict cached KV, then preempt the newest requests, until the batch's tokens (this
-        step's chunks; ahead: ids of requests continuing an in-flight forward, one token each)
-        fit. Raises WaitForMemory when only busy requests (a forward running now) could give
-        memory back, MemoryError when nothing can."""
+        """Evict cached KV, then preempt the newest requests, until the batch's tokens fit
+        (need_of(batch): the new KV slots of this step's chunks, Scheduler._plan). Raises
+        WaitForMemory when only busy requests (a forward running now) could give memory back,
+        MemoryError when nothing can."""
         while batch:
-            need = tokens_needed(batch, kind, self.cfg.token_budget(kind), ahead)
+            need = need_of(batch)
             if side.pool.available >= need:
                 return
             side.evict(need - side.pool.available)
@@ -374,8 +377,9 @@ class Scheduler:
     ) -> RowPlan:
         """Where each row's tokens of this step start and end (chunk_ends under the token
         budget), as arrays: a row continuing the in-flight forward `after` (ahead: id ->
-        its row there) takes one token after that row's. O(batch) array work; the per-row
-        chunk rule runs only when the pending tokens exceed the budget."""
+        its row there) takes one token after that row's, or the rest of its prompt after a
+        chunk there that stopped short. O(batch) array work; the per-row chunk rule runs only
+        when the pending tokens exceed the budget."""
         n = len(batch)
         handles = [r.kv[kind] for r in batch]
         source = None
@@ -383,14 +387,17 @@ class Scheduler:
             source = np.fromiter((ahead.get(id(r), -1) for r in batch), np.int64, n)
         if source is not None and after is not None and len(ahead) == n:  # every row continues
             starts = after.kv_lens[source]
-            fulls = starts + 1
+            fulls = starts + 1  # its drawn token, or the rest of a chunked prompt
+            for i in np.flatnonzero(after.incomplete[source]).tolist():
+                fulls[i] = batch[i].n
         else:
             starts = np.fromiter((h.length for h in handles), np.int64, n)
             fulls = np.fromiter((r.n for r in batch), np.int64, n)
             if source is not None and after is not None:
                 cont = np.flatnonzero(source >= 0)
                 starts[cont] = after.kv_lens[source[cont]]
-                fulls[cont] = starts[cont] + 1
+                token = cont[~after.incomplete[source[cont]]]  # the others: r.n, as read
+                fulls[token] = starts[token] + 1
         budget = self.cfg.token_budget(kind)
         need = int((fulls - starts).sum())
         ends = fulls
@@ -420,7 +427,7 @@ class Scheduler:
             attach_all(batch if not ahead else [r for r in batch if id(r) not in ahead], kind)
             plan = self._plan(batch, kind, after, ahead)
             if side.pool.available < plan.need:  # evict or preempt (rare): plan again after
-                self.make_room(side, batch, kind, ahead)
+                self.make_room(side, batch, kind, lambda b: self._plan(b, kind, after, ahead).need)
                 plan = self._plan(batch, kind, after, ahead)
             run = plan.ends > plan.starts
             if not run.all():  # the token budget gives these nothing this step
@@ -454,8 +461,9 @@ class Scheduler:
         overfill the batch, so nobody waits more than about ready / max_running steps.
         after: the small step launched and not finished yet (overlap): its requests, which
         stepped last, fill the places left and continue it with its drawn token (a request
-        whose drawn token is certainly its last does not); those it parks or ends are then
-        dropped from this step (PreparedForward.dropped)."""
+        whose drawn token is certainly its last does not) or, a prompt chunked there, with
+        the next chunk; those it parks or ends are then dropped from this step
+        (PreparedForward.dropped)."""
         ready = sorted(
             (r for r in self.running if not r.busy),
             key=lambda r: (r.last_small_step, r.admit_order),
@@ -468,9 +476,10 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in chosen]
         if after is not None:
             live = after.live()
-            # Not a chunk short of its end (no token drawn), and room for a token after the
-            # drawn one (its place is kv_lens: the step before `after` is committed).
-            goes_on = (~after.incomplete & (after.kv_lens + 1 < after.facts.limit)).tolist()
+            # A chunk short of its end goes on with the next chunk; a drawn token, when there
+            # is room for one after it (its place is kv_lens: the step before `after` is
+            # committed).
+            goes_on = (after.incomplete | (after.kv_lens + 1 < after.facts.limit)).tolist()
             for i, r in enumerate(after.batch):
                 if len(batch) >= cap:
                     break
@@ -511,6 +520,14 @@ class Scheduler:
         done = [r for r, ok in zip(prep.batch, live, strict=True) if ok and id(r) not in cont]
         self._unbusy(done)  # those continuing in nxt stay busy there
         parked: list[Request] = []
+
+        def leave_next(r: Request) -> None:
+            """r will not continue in nxt: its row there is dropped, it is not busy."""
+            row = cont.pop(id(r), None)
+            if row is not None and nxt is not None:
+                nxt.dropped.add(row)
+                self._unbusy([r])
+
         try:
             prep.commit(live)
             st.steps += 1
@@ -520,7 +537,14 @@ class Scheduler:
             else:
                 st.small_tokens += int(np.diff(prep.q_off)[np.asarray(live)].sum())
                 st.dropped_rows += len(live) - kept
-            self.running += [r for r in self._partial(prep) if r.finished_reason is None]
+            for r in self._partial(prep):  # a chunk short of its end: the next one is due
+                if r.finished_reason is not None:
+                    continue
+                if id(r) in cont:  # it runs in nxt, unless aborted meanwhile
+                    if not r.abort_requested:
+                        continue
+                    leave_next(r)
+                self.running.append(r)
             batch, sel = prep.complete(out)
             rows = np.flatnonzero(~prep.incomplete).tolist()
             drawn = prep.drawn
@@ -544,13 +568,6 @@ class Scheduler:
             if not isinstance(e, Exception):
                 raise
             return []
-
-        def leave_next(r: Request) -> None:
-            """r will not continue in nxt: its row there is dropped, it is not busy."""
-            row = cont.pop(id(r), None)
-            if row is not None and nxt is not None:
-                nxt.dropped.add(row)
-                self._unbusy([r])
 
         # Per row, as _each does (one that raises ends alone; an interrupt ends the rest),
         # written out: this loop runs once per request per small step.
