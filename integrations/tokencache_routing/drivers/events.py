@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,17 +61,18 @@ class EventLoop:
         admission, then a step as the dispatch, overlap and topology say; False when there was
         nothing to do."""
         s = self.sched
-        self.eng.intake()
-        s.apply_aborts()
-        self._rejoin()
-        # A request is submitted at now(), the later of the two models' clocks (two devices:
-        # the large one may be ahead); the small model starts none before its submission.
-        s.admit(not_after=self.t_small)
-        if s.waiting and not s.running and not s.busy:
-            # Nothing to step until the next request arrives: the small model waits for it.
-            self.t_small = max(self.t_small, s.waiting[0].submitted_at)
+        with self._host_work():
+            self.eng.intake()
+            s.apply_aborts()
             self._rejoin()
+            # A request is submitted at now(), the later of the two models' clocks (two
+            # devices: the large one may be ahead); the small model starts none before it.
             s.admit(not_after=self.t_small)
+            if s.waiting and not s.running and not s.busy:
+                # Nothing to step until the next request arrives: the small model waits.
+                self.t_small = max(self.t_small, s.waiting[0].submitted_at)
+                self._rejoin()
+                s.admit(not_after=self.t_small)
         if not s.has_work():
             if self.pending is None:
                 return False
@@ -87,6 +89,27 @@ class EventLoop:
         s.stats.bookkeeping_s = sum(side.bookkeeping_s for side in self.sides)
         s.stats.modeled_s = self.eng.now()
         return True
+
+    @contextlib.contextmanager
+    def _host_work(self) -> Iterator[None]:
+        """Host work outside a forward's launch and finish (intake, aborts, admission): the
+        small model's host clock pays it as it pays a step's, so the GPU waits for it where
+        nothing hides it (Stats.small_host_s counts it). Charged only while there is work:
+        an idle engine's clock does not creep."""
+        timer = self.sides[SMALL].timer
+        h0, tree0 = timer(), self._tree_s()
+        try:
+            yield
+        finally:
+            if self.sched.has_work() or self.pending is not None:
+                host = timer() - h0
+                st = self.sched.stats
+                st.host_s += host
+                st.small_host_s += host
+                charge = self._host_cost(host, self._tree_s() - tree0)
+                self.t_small += charge
+                if not self.eng.overlap:  # serially the device waits for it (with overlap,
+                    st.device_idle_s += charge  # _start_on_device finds what it waits for)
 
     def _rejoin(self) -> None:
         """Two devices: a catch-up's requests rejoin once the small clock reaches its end."""
@@ -307,8 +330,9 @@ class EventLoop:
             self.land_pending()
         if self.eng.topology == "one-device":
             # Places the landed step freed are refilled before holes can launch a catch-up.
-            self.eng.intake()
-            s.admit(not_after=self.t_small)
+            with self._host_work():
+                self.eng.intake()
+                s.admit(not_after=self.t_small)
             if self._large_due():
                 catchup = self._launch_large_timed()
                 if catchup is not None:
