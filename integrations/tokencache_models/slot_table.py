@@ -306,6 +306,12 @@ def _nested_groups(members: np.ndarray, shared: np.ndarray) -> list[PrefixGroup]
     """Rows (batch indices) sharing shared[i] slots with one reference, split into groups of
     consecutive shared-length levels (from the longest down) maximising the slots saved:
     a group of k rows whose least shared length is P saves (k - 1) x P."""
+    lo = int(shared.min())
+    if int((shared == lo).sum()) >= len(shared) - 1:
+        # One level, or one row above all the others (steady decoding: the row extending the
+        # reference): one group of every row at the lower level saves the most, as the
+        # search below would find ((n - 1) x lo; the row above alone would form no group).
+        return [PrefixGroup(tuple(sorted(members.tolist())), lo)] if len(members) >= 2 else []
     levels, counts = np.unique(shared, return_counts=True)
     levels, counts = levels[::-1], counts[::-1]  # longest first
     if len(levels) > MAX_LEVELS:  # merge the shortest levels into the last kept one

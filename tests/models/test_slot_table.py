@@ -3,6 +3,9 @@ keeps per row, against a naive model (plain lists, and a search of the slot list
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 
 from tokencache_models import SlotTable
 from tokencache_models.prefix_groups import MAX_PREFIX_GROUPS, groups_over_rows
+from tokencache_models.slot_table import _nested_groups
 
 SCRATCH = 999
 
@@ -152,3 +156,31 @@ def test_a_patched_entry_is_checked_again_and_cuts_back_its_reference() -> None:
     t2.write(b, 20, np.array([500, 501]))
     stale = t2.prefix_groups(np.array([a, b]), np.array([21, 22]), min_len=4)
     assert max(g.length for g in stale) == 21
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([16, 17, 40, 41, 90, 300]), min_size=2, max_size=9), st.data())
+def test_nested_groups_save_the_most_a_split_by_levels_can(levels: list[int], data: Any) -> None:
+    """_nested_groups (its one-level / one-row-above fast path included) saves exactly what the
+    best split of the rows into groups of consecutive shared-length levels saves, found here
+    by trying every split; each group's rows all share at least its length."""
+    if data.draw(st.booleans()):  # steady decoding's shape: one row above all the others
+        levels = [levels[0]] * (len(levels) - 1) + [levels[0] + data.draw(st.integers(0, 50))]
+    shared = np.array(levels, np.int64)
+    members = np.arange(3, 3 + len(levels), dtype=np.int64)
+    groups = _nested_groups(members, shared)
+    by_row = dict(zip(members.tolist(), levels, strict=True))
+    for g in groups:
+        assert len(g.rows) >= 2 and all(by_row[r] >= g.length for r in g.rows)
+    distinct = sorted(set(levels), reverse=True)
+    best = 0
+    for cuts in itertools.product([False, True], repeat=len(distinct) - 1):
+        # a cut after level i ends a group there; each group runs at its lowest level
+        saved, rows_in = 0, 0
+        for i, lv in enumerate(distinct):
+            rows_in += levels.count(lv)
+            if i == len(distinct) - 1 or cuts[i]:
+                saved += max(rows_in - 1, 0) * lv
+                rows_in = 0
+        best = max(best, saved)
+    assert sum(g.saved_reads for g in groups) == best
