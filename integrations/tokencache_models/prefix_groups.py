@@ -266,10 +266,15 @@ def paying_groups(
         g
         for g in groups
         if g.length >= MIN_SHARED_PREFIX
-        and shape.passes(int(q_lens[list(g.rows)].sum())) < len(g.rows)
+        and shape.passes(_query_tokens(g, q_lens, decode)) < len(g.rows)
     ]
     skipped, read = prefix_traffic(kept, q_offsets, shape, decode)
     return kept if read < skipped else []
+
+
+def _query_tokens(g: PrefixGroup, q_lens: np.ndarray, decode: bool) -> int:
+    """The group's rows' query tokens (decode: one a row)."""
+    return len(g.rows) if decode else int(q_lens[list(g.rows)].sum())
 
 
 def prefix_traffic(
@@ -287,7 +292,7 @@ def prefix_traffic(
     skipped = read = 0
     for g in groups:
         skipped += len(g.rows) * g.length
-        read += g.length * shape.passes(int(q_lens[list(g.rows)].sum()))
+        read += g.length * shape.passes(_query_tokens(g, q_lens, decode))
     longest = max(g.length for g in groups)
     num_tokens = int(q_offsets[-1] - q_offsets[0])
     read += shape.overhead_slots(num_tokens, None if decode else longest)

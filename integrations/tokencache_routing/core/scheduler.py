@@ -176,6 +176,10 @@ class Scheduler:
     def active(self) -> list[Request]:
         return self.running + self.parked + self.inflight + self.busy
 
+    def num_active(self) -> int:
+        """len(active()), without building the list."""
+        return len(self.running) + len(self.parked) + len(self.inflight) + len(self.busy)
+
     def num_on_small(self) -> int:
         """Requests holding a place in the small model's batch: ready to step or inside its
         forward. Parked ones and those in a catch-up (inflight, or busy in the large forward)
@@ -186,9 +190,11 @@ class Scheduler:
     def launch_due(self, waited_out: bool, own_device: bool) -> bool:
         """SchedulerConfig.launch_large on this scheduler's state (both drivers ask it). A
         catch-up whose last chunk has not run yet goes on at once."""
+        if not self.parked:  # nothing to catch up (launch_large's first answer, sooner)
+            return False
         waited_out = waited_out or any(r.partial_prefill for r in self.parked)
         return self.cfg.launch_large(
-            len(self.parked), waited_out, self.num_on_small(), len(self.active()), own_device
+            len(self.parked), waited_out, self.num_on_small(), self.num_active(), own_device
         )
 
     def has_work(self) -> bool:
@@ -297,7 +303,7 @@ class Scheduler:
         self.admit_blocked = False
         small_page = self.sides[SMALL].page_size
         held: list[Request] = []
-        while self.waiting and len(self.active()) < cfg.max_admitted:
+        while self.waiting and self.num_active() < cfg.max_admitted:
             r = self.waiting.popleft()
             if not_after is not None and r.submitted_at > not_after:
                 self.waiting.appendleft(r)
@@ -500,7 +506,7 @@ class Scheduler:
                 r.last_small_step = self.stats.steps
             # What could run: every admitted unfinished request (the batch is busy now), up to
             # the batch target (a parked request whose place was refilled leaves no hole).
-            could_run = min(self.cfg.max_running, len(self.active()))
+            could_run = min(self.cfg.max_running, self.num_active())
             self.stats.small_batch_sizes.append(len(prep.batch))
             self.stats.small_batch_capacity.append(max(could_run, len(prep.batch)))
         return prep
