@@ -382,9 +382,13 @@ def prepare_forward(
         chunk = np.zeros(n, np.bool_)
         chunk[cont] = after.incomplete[source[cont]]
         dest = np.flatnonzero(cont & ~chunk)
-    if after is not None and source is not None and cont is not None and cont.all():
+    if after is not None and source is not None and cont is not None:
         assert after.host.rows is not None
-        rows = after.host.rows[source]  # every row continues one there: the same table rows
+        rows = np.empty(n, np.int64)  # a continued row keeps its table row
+        rows[cont] = after.host.rows[source[cont]]
+        if not cont.all():
+            fresh = np.flatnonzero(~cont).tolist()
+            rows[fresh] = np.fromiter((handles[i].row for i in fresh), np.int64, len(fresh))
     else:
         rows = np.fromiter((h.row for h in handles), np.int64, n)
     q_lens = ends - starts
@@ -399,8 +403,13 @@ def prepare_forward(
                 (r.seq[e - 1] for r, e in zip(batch, ends.tolist(), strict=True)), np.int64, n
             )
         positions, token_rows = starts, rows
-    else:
-        tokens = np.concatenate([r.seq[s:e] for r, s, e in zip(batch, starts, ends, strict=True)])
+    else:  # rows fed a drawn token keep a placeholder (set below): only the others are read
+        tokens = np.zeros(total, np.int64)
+        own = np.ones(n, np.bool_)
+        if dest is not None:
+            own[dest] = False
+        for i in np.flatnonzero(own).tolist():
+            tokens[q_off[i] : q_off[i + 1]] = batch[i].seq[starts[i] : ends[i]]
         positions = np.repeat(starts - q_off[:-1], q_lens) + np.arange(total, dtype=np.int64)
         token_rows = np.repeat(rows, q_lens)
     new_slots = side.alloc(total)

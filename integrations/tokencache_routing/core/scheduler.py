@@ -391,19 +391,20 @@ class Scheduler:
         source = None
         if ahead and after is not None:
             source = np.fromiter((ahead.get(id(r), -1) for r in batch), np.int64, n)
-        if source is not None and after is not None and len(ahead) == n:  # every row continues
-            starts = after.kv_lens[source]
-            fulls = starts + 1  # its drawn token, or the rest of a chunked prompt
-            for i in np.flatnonzero(after.incomplete[source]).tolist():
-                fulls[i] = batch[i].n
-        else:
+        if source is None or after is None:
             starts = np.fromiter((h.length for h in handles), np.int64, n)
             fulls = np.fromiter((r.n for r in batch), np.int64, n)
-            if source is not None and after is not None:
-                cont = np.flatnonzero(source >= 0)
-                starts[cont] = after.kv_lens[source[cont]]
-                token = cont[~after.incomplete[source[cont]]]  # the others: r.n, as read
-                fulls[token] = starts[token] + 1
+        else:  # continued rows from `after`'s arrays, only the others from their requests
+            starts, fulls = np.empty(n, np.int64), np.empty(n, np.int64)
+            cont, fresh = np.flatnonzero(source >= 0), np.flatnonzero(source < 0)
+            starts[cont] = after.kv_lens[source[cont]]
+            fulls[cont] = starts[cont] + 1  # its drawn token, or the rest of a chunked prompt
+            for i in cont[after.incomplete[source[cont]]].tolist():
+                fulls[i] = batch[i].n
+            if len(fresh):
+                idx = fresh.tolist()
+                starts[fresh] = np.fromiter((handles[i].length for i in idx), np.int64, len(idx))
+                fulls[fresh] = np.fromiter((batch[i].n for i in idx), np.int64, len(idx))
         budget = self.cfg.token_budget(kind)
         need = int((fulls - starts).sum())
         ends = fulls
