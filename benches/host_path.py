@@ -5,7 +5,8 @@ the runner's host preparation. Here it is replaced by a stub that returns zero l
 so the engine's whole host path runs for real at any batch and context on this CPU: the
 scheduler, prepare_forward and the slot table, the runner's preparation (HostBatch, padding,
 shared-prefix groups and tile tables, the copy into the step's buffers), sampling, the router,
-the commits and the trees. Host time is this thread's CPU time of each step minus the stub's
+the commits and the trees, and the event loop's work between steps (intake, aborts,
+admission). Host time is this thread's CPU time of each step minus the stub's
 (the engine's own accounting: Stats.small_host_s, RoutedEngine(host_charge=...)), so other
 processes on a shared machine do not inflate it.
 
