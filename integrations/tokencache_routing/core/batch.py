@@ -333,28 +333,29 @@ class RowFacts:
 class RowPlan:
     """One forward's rows as arrays (Scheduler._plan): each row's handle, where its tokens of
     this step start and end in its sequence (ends < fulls: a chunk short of its last pending
-    token), the row of the in-flight forward it continues (source, -1: none; None: no row
-    does) and the new KV slots it takes in all (need)."""
+    token) and the row of the in-flight forward it continues (source, -1: none; None: no row
+    does)."""
 
     handles: list[KVHandle]
     starts: np.ndarray
     fulls: np.ndarray
     ends: np.ndarray
     source: np.ndarray | None
-    need: int
+
+    @property
+    def need(self) -> int:
+        """The new KV slots the forward takes."""
+        return int((self.ends - self.starts).sum())
 
     def take(self, keep: np.ndarray) -> RowPlan:
         """The plan of the rows where keep (a bool mask) is set."""
         rows = np.flatnonzero(keep)
-        source = self.source[rows] if self.source is not None else None
-        ends, starts = self.ends[rows], self.starts[rows]
         return RowPlan(
             [self.handles[i] for i in rows.tolist()],
-            starts,
+            self.starts[rows],
             self.fulls[rows],
-            ends,
-            source,
-            int((ends - starts).sum()),
+            self.ends[rows],
+            self.source[rows] if self.source is not None else None,
         )
 
 

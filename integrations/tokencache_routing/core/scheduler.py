@@ -406,13 +406,11 @@ class Scheduler:
                 starts[fresh] = np.fromiter((handles[i].length for i in idx), np.int64, len(idx))
                 fulls[fresh] = np.fromiter((batch[i].n for i in idx), np.int64, len(idx))
         budget = self.cfg.token_budget(kind)
-        need = int((fulls - starts).sum())
         ends = fulls
-        if 0 < budget < need:
+        if 0 < budget < int((fulls - starts).sum()):
             chunked = chunk_ends(batch, kind, budget, starts.tolist(), fulls.tolist())
             ends = np.asarray(chunked, dtype=np.int64)
-            need = int((ends - starts).sum())
-        return RowPlan(handles, starts, fulls, ends, source, need)
+        return RowPlan(handles, starts, fulls, ends, source)
 
     def _prepare(
         self,
