@@ -2,7 +2,7 @@
 
     tokencache serve [--large smollm2|DIR|FILE.gguf] [--small DIR | --small-layers N]
                      [--router entropy:0.5|prob:0.3|neural:PATH] [--host 127.0.0.1 --port 8000]
-                     [--large-tp N]
+                     [--large-tp N] [--chunked-prefill-size N] [--large-chunked-prefill-size N]
 
 Defaults start offline on the bundled SmolLM2-135M-Instruct (large) and its first 24 layers
 (small). `python -m tokencache_serve serve ...` is the same command.
@@ -88,6 +88,24 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
         type=float,
         default=0.8,
         help="launch a catch-up before parked requests leave the small batch below this share",
+    )
+    e.add_argument(
+        "--chunked-prefill-size",
+        type=token_budget,
+        default=None,
+        metavar="N",
+        help="most tokens one small-model step computes: a long prompt is split across steps "
+        "so that decoding requests are not stalled behind it, as SGLang's "
+        "--chunked-prefill-size; 0: no budget (default: the engine's, 2048)",
+    )
+    e.add_argument(
+        "--large-chunked-prefill-size",
+        type=token_budget,
+        default=None,
+        metavar="N",
+        help="most tokens one large-model catch-up computes; 0: no budget (default: "
+        "--chunked-prefill-size's). On one device a smaller one shortens the small model's "
+        "stalls behind long catch-ups",
     )
     e.add_argument(
         "--mode",
@@ -214,6 +232,24 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     s.add_argument("--access-log", action="store_true", help="uvicorn's access log as well")
 
 
+def token_budget(text: str) -> int:
+    """argparse type of the chunked-prefill budgets: an integer >= 0 (0: no budget)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: off), got {text!r}")
+    return n
+
+
+def chunk_options(a: argparse.Namespace) -> dict[str, int]:
+    """The chunked-prefill budgets given on the command line, as SchedulerConfig keywords (a
+    budget not given keeps the engine's default)."""
+    names = ("chunked_prefill_size", "large_chunked_prefill_size")
+    return {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tokencache", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
@@ -313,6 +349,7 @@ def build_app(a: argparse.Namespace) -> Starlette:
         max_wait_steps=a.max_wait_steps,
         max_wait_s=a.max_wait_ms / 1e3,
         min_occupancy=a.min_occupancy,
+        **chunk_options(a),
     )
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
