@@ -66,7 +66,9 @@ run_python() {
       printf 'also_copy =\n    tokencache_models/\n    tests/\n'
       echo "tests_dir ="
       for t in $tests; do echo "    $t"; done
-      echo "pytest_add_cli_args = -p no:cacheprovider -q -x ${extra[*]:-}"
+      # One argument a line: mutmut hands a one-line value to pytest as a single argument.
+      echo "pytest_add_cli_args ="
+      for a in -p no:cacheprovider -q -x "${extra[@]}"; do echo "    $a"; done
       # Forking mutmut's own process (which ran torch) deadlocked children on torch's thread
       # pool: every mutant "timed out". A fresh forkserver that imports nothing costs ~14 s
       # per mutant (torch imported each time) but is sound.
