@@ -1,0 +1,142 @@
+"""The counter-based sampler draw by draw: row i's token is the inverse CDF of
+softmax((l - max) / T) in its top_p nucleus at uniform(seed, index[i]) (rng.py), exactly; a
+request's draws along its own sequence (one seed, successive places) follow that law; index
+defaults to each request's next place; a masked token is never drawn, even at the ends of
+[0, 1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from routing_helpers import VOCAB
+
+from tokencache_routing import SamplingParams
+from tokencache_routing.core.rng import uniforms
+from tokencache_routing.core.sampling import _draw, draw, sample
+from tokencache_routing.core.state import Request
+
+LOGITS = torch.tensor([2.0, 1.4, 0.9, 0.5, 0.0, -0.6, -1.1, -3.0])
+
+
+def request(sp: SamplingParams, rid: int = 0, prompt: int = 1) -> Request:
+    return Request(rid, rid, np.arange(1, prompt + 1), 4, sp, frozenset())
+
+
+def law(logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
+    """softmax(l / T) in the nucleus (the most likely tokens while the mass before each is
+    below top_p, ties in vocabulary order), renormalised, in float64."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    if top_p >= 1:
+        return p.numpy()
+    ps, order = p.sort(descending=True, stable=True)
+    keep = ps.cumsum(0) - ps < top_p
+    out = torch.zeros_like(p)
+    out[order[keep]] = ps[keep]
+    return (out / out.sum()).numpy()
+
+
+def inverse_cdf(logits: torch.Tensor, temperature: float, top_p: float, u: float) -> int:
+    """The reference draw: the first token, in vocabulary order without a nucleus and in
+    probability order with one, whose cumulative mass exceeds u."""
+    p = law(logits, temperature, top_p)
+    order = np.arange(len(p)) if top_p >= 1 else np.argsort(-p, kind="stable")
+    cdf = np.cumsum(p[order])
+    return int(order[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(p) - 1)])
+
+
+def test_each_draw_is_the_inverse_cdf_of_its_uniform() -> None:
+    """300 rows of random logits, mixed temperatures and nuclei, seeds and places: every token
+    is the reference's at uniform(seed, index) (a wrong uniform, place, temperature, nucleus
+    or order changes some of them)."""
+    g = torch.Generator().manual_seed(3)
+    n = 300
+    logits = torch.randn(n, VOCAB, generator=g) * 2.5
+    temps = [0.3, 0.7, 1.0, 1.6]
+    tops = [1.0, 0.9, 0.6, 0.3]
+    params = [SamplingParams(temps[i % 4], tops[(i // 4) % 4], seed=1000 + 7 * i) for i in range(n)]
+    batch = [request(sp, rid=i) for i, sp in enumerate(params)]
+    index = np.random.default_rng(3).integers(0, 5000, n)
+    tok, failed = sample(logits, batch, index)
+    assert not failed
+    u = uniforms(np.array([sp.seed for sp in params], np.uint64), index)
+    want = [
+        inverse_cdf(logits[i], sp.temperature, sp.top_p, float(u[i])) for i, sp in enumerate(params)
+    ]
+    assert tok.tolist() == want
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.5, 1.0), (2.0, 1.0), (0.8, 0.7)])
+def test_one_requests_draws_along_its_sequence_follow_the_law(
+    temperature: float, top_p: float
+) -> None:
+    """One seed, 4000 successive places (the tokens of one long request): the histogram fits
+    the law as well as 4000 seeds do (chi-square at p = 1e-4; nothing outside the nucleus), so
+    the place is part of the draw and a request does not repeat one token."""
+    n = 4000
+    req = request(SamplingParams(temperature, top_p, seed=2024))
+    tok, failed = sample(LOGITS.expand(n, -1), [req] * n, np.arange(n) + 1)
+    assert not failed
+    counts = np.bincount(tok.numpy(), minlength=len(LOGITS))
+    expected = law(LOGITS, temperature, top_p)
+    inside = expected > 0
+    assert counts[~inside].sum() == 0, counts
+    e = expected[inside] * n
+    chi2 = float(((counts[inside] - e) ** 2 / e).sum())
+    crit = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88}
+    assert chi2 < crit[int(inside.sum()) - 1], (counts, e)
+
+
+def test_index_defaults_to_each_requests_next_place() -> None:
+    """sample() without index draws at r.n (prompt length plus tokens so far), per request:
+    the same tokens as the index given explicitly, and other tokens at other places."""
+    n = 64
+    batch = [request(SamplingParams(1.0, seed=s), rid=s, prompt=1 + s % 5) for s in range(n)]
+    for k, r in enumerate(batch):
+        r.n += k % 3  # some generated tokens already
+    places = np.array([r.n for r in batch])
+    assert len(set(places.tolist())) > 3
+    logits = LOGITS.expand(n, -1)
+    default, failed = sample(logits, batch)
+    assert not failed
+    assert default.tolist() == sample(logits, batch, places)[0].tolist()
+    u = uniforms(np.array([r.seed for r in batch], np.uint64), places)
+    assert default.tolist() == [inverse_cdf(LOGITS, 1.0, 1.0, float(x)) for x in u]
+    assert default.tolist() != sample(logits, batch, places + 1)[0].tolist()
+
+
+@pytest.mark.parametrize("top_p", [None, 0.7])
+def test_masked_tokens_are_never_drawn_at_the_ends_of_the_unit_interval(
+    top_p: float | None,
+) -> None:
+    """u = 0 and u just below 1 against rows whose first and last tokens are masked (-inf):
+    the draw lands on the first resp. last token with mass, never on a masked one."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 1.0, 0.5, 0.2, inf], [inf, inf, 0.0, 0.0, inf]])
+    temp = torch.tensor([1.0, 1.0])
+    tp = None if top_p is None else torch.tensor([top_p, top_p])
+    lo, ok = _draw(logits, temp, tp, torch.tensor([0.0, 0.0], dtype=torch.float64))
+    hi, _ = _draw(logits, temp, tp, torch.tensor([1 - 2.0**-53] * 2, dtype=torch.float64))
+    assert ok.tolist() == [True, True]
+    if top_p is None:  # vocabulary order
+        assert lo.tolist() == [1, 2] and hi.tolist() == [3, 3]
+    else:  # probability order (ties in vocabulary order); 0.7 keeps 1, 2 of row 0
+        assert lo.tolist() == [1, 2] and hi.tolist() == [2, 3]
+
+
+def test_draw_is_lazy_and_resolves_once() -> None:
+    """draw() hands back device tokens at once; resolve() gives the host tokens and failures,
+    the same as sample(), and can be asked again."""
+    batch = [request(SamplingParams(0.9, 0.8, seed=s), rid=s) for s in range(6)]
+    batch.insert(2, request(SamplingParams(), rid=99))  # greedy
+    logits = LOGITS.expand(len(batch), -1).clone()
+    logits[4, 3] = float("nan")
+    index = np.arange(len(batch)) + 3
+    d = draw(logits, batch, index)
+    tokens, failed = d.resolve(batch)
+    assert list(failed) == [4] and isinstance(failed[4], FloatingPointError)
+    assert tokens[2] == 0
+    again, failed_again = d.resolve(batch)
+    assert again == tokens and list(failed_again) == [4]
+    expect, _ = sample(logits, batch, index)
+    assert expect.tolist() == tokens == d.tokens.tolist()
