@@ -14,7 +14,7 @@ from routing_helpers import VOCAB
 from tokencache_routing import SamplingParams
 from tokencache_routing.core.rng import uniforms
 from tokencache_routing.core.sampling import _draw, draw, sample
-from tokencache_routing.core.state import Request
+from tokencache_routing.core.state import MAX_SEED, Request
 
 LOGITS = torch.tensor([2.0, 1.4, 0.9, 0.5, 0.0, -0.6, -1.1, -3.0])
 
@@ -140,3 +140,25 @@ def test_draw_is_lazy_and_resolves_once() -> None:
     assert again == tokens and list(failed_again) == [4]
     expect, _ = sample(logits, batch, index)
     assert expect.tolist() == tokens == d.tokens.tolist()
+
+
+def test_batch_mates_of_a_seed_that_does_not_fit_draw_as_without_it() -> None:
+    """Seeds past SamplingParams' validation: outside [0, 2**64) fails that row alone (an
+    OverflowError); every other 64-bit seed, 0 and those above 2**63 among them, draws what
+    it draws in a batch without the bad rows, bit for bit (its uniform from the exact seed)."""
+    seeds = [2**64, 0, 7, 300, MAX_SEED, 2**63 + 12345, -1, 2**64 - 1, 2**63 + 1]
+    batch = []
+    for i, s in enumerate(seeds):
+        r = request(SamplingParams(1.0, seed=1), rid=i)
+        object.__setattr__(r.sampling, "seed", s)
+        batch.append(r)
+    logits = torch.zeros(len(seeds), VOCAB)  # uniform: the token is floor(u * VOCAB)
+    index = np.arange(len(seeds)) + 10
+    tok, failed = sample(logits, batch, index)
+    assert sorted(failed) == [0, 6]
+    assert all(isinstance(e, OverflowError) for e in failed.values())
+    good = [i for i in range(len(seeds)) if i not in failed]
+    alone, none = sample(logits[good], [batch[i] for i in good], index[good])
+    assert not none and tok[good].tolist() == alone.tolist()
+    u = uniforms(np.array([seeds[i] for i in good], np.uint64), index[good])
+    assert alone.tolist() == [int(x * VOCAB) for x in u]
