@@ -162,3 +162,21 @@ def test_batch_mates_of_a_seed_that_does_not_fit_draw_as_without_it() -> None:
     assert not none and tok[good].tolist() == alone.tolist()
     u = uniforms(np.array([seeds[i] for i in good], np.uint64), index[good])
     assert alone.tolist() == [int(x * VOCAB) for x in u]
+
+
+def test_tied_probabilities_stay_in_vocabulary_order_in_the_nucleus() -> None:
+    """Ties are common (half-precision logits): the nucleus sort is stable, so tied tokens
+    keep their vocabulary order. On VOCAB equal logits, top_p 0.5 keeps exactly the first
+    half, and a nucleus that keeps every token draws what no nucleus draws, token for token
+    (an unstable sort, as torch's default is on CPU for rows of this size, breaks both)."""
+    n = 400
+    logits = torch.zeros(n, VOCAB)
+    index = np.arange(n) % 7
+    half = [request(SamplingParams(1.0, 0.5, seed=s), rid=s) for s in range(n)]
+    tok, failed = sample(logits, half, index)
+    assert not failed and max(tok.tolist()) == VOCAB // 2 - 1 and len(set(tok.tolist())) > 40
+    every = [request(SamplingParams(1.0, 0.999, seed=s), rid=s) for s in range(n)]
+    plain = [request(SamplingParams(1.0, 1.0, seed=s), rid=s) for s in range(n)]
+    a, _ = sample(logits, every, index)
+    b, _ = sample(logits, plain, index)
+    assert a.tolist() == b.tolist()
