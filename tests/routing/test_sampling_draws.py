@@ -180,3 +180,28 @@ def test_tied_probabilities_stay_in_vocabulary_order_in_the_nucleus() -> None:
     a, _ = sample(logits, every, index)
     b, _ = sample(logits, plain, index)
     assert a.tolist() == b.tolist()
+
+
+def test_the_uniform_is_used_at_full_precision() -> None:
+    """uniform(1414446, 5) = 0.2395833349: 23.0000001 / 96, but 22.9999995 / 96 once rounded
+    to float32 (found by a search over 2 million seeds): on 96 equal logits, with and without
+    a nucleus, the draw is token 23, the float64 inverse CDF, not 22."""
+    u = float(uniforms(np.array([1414446], np.uint64), np.array([5]))[0])
+    assert int(u * VOCAB) == 23 and int(float(np.float32(u)) * VOCAB) == 22
+    batch = [request(SamplingParams(1.0, top_p, seed=1414446)) for top_p in (1.0, 0.999)]
+    tok, failed = sample(torch.zeros(2, VOCAB), batch, np.array([5, 5]))
+    assert not failed and tok.tolist() == [23, 23]
+
+
+def test_a_uniform_just_below_one_never_draws_a_masked_token() -> None:
+    """uniform(14790804, 0) = 1 - 1.6e-8, which float32 rounds to 1.0 (one uniform in 2**25):
+    the draw must still land on the last token with mass, never on the masked last token nor
+    outside the nucleus (the uniforms once went to the device as float32: token 3 here)."""
+    u = float(uniforms(np.array([14790804], np.uint64), np.array([0]))[0])
+    assert u < 1.0 and float(np.float32(u)) == 1.0
+    inf = float("-inf")
+    logits = torch.tensor([[0.0, 1.0, 2.0, inf]] * 3)
+    batch = [request(SamplingParams(1.0, tp, seed=14790804)) for tp in (1.0, 0.999, 0.5)]
+    tok, failed = sample(logits, batch, np.zeros(3, np.int64))
+    # Vocabulary order: the last token with mass is 2; probability order: 0, then 2 alone.
+    assert not failed and tok.tolist() == [2, 0, 2]
