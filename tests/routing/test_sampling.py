@@ -13,7 +13,7 @@ import torch
 from routing_helpers import VOCAB, make_prompts
 
 from tokencache_routing import RoutedEngine, SamplingParams, ScriptedRouter
-from tokencache_routing.core.sampling import sample
+from tokencache_routing.core.sampling import Decisions, sample
 from tokencache_routing.core.state import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, Request
 
 LOGITS = torch.tensor([2.0, 1.4, 0.9, 0.5, 0.0, -0.6, -1.1, -3.0])
@@ -225,3 +225,37 @@ def test_nucleus_boundary_is_exclusive() -> None:
     wider = requests([SamplingParams(1.0, 0.51, seed=s) for s in range(400)])
     tok, failed = sample(logits, wider)
     assert not failed and set(tok.tolist()) == {0, 1}
+
+
+# ---------------------------------------------------------------- a router's answers
+
+
+@pytest.mark.parametrize(
+    "answer,resolved",
+    [
+        (torch.tensor([0, 1, 2, 255], dtype=torch.uint8), [False, True, True, True]),
+        (torch.tensor([[True], [False], [True], [True]]), [True, False, True, True]),
+        (np.array([0, 3, 0, 1], dtype=np.int64), [False, True, False, True]),
+        ([False, True, 1, 0], [False, True, True, False]),
+    ],
+)
+def test_router_answers_resolve_to_one_bool_per_row(answer: Any, resolved: list[bool]) -> None:
+    """Integer answers are truth values: resolve() gives Python bools, one per row."""
+    got = Decisions(answer, 4).resolve()
+    assert got == resolved and all(type(b) is bool for b in got)
+
+
+@pytest.mark.parametrize(
+    "answer,error,message",
+    [
+        (torch.tensor([0.5, 0.1]), TypeError, r"router answered a tensor of torch\.float32"),
+        (torch.tensor([True, False, True]), ValueError, "router answered 3 decisions for 2"),
+        (np.array([0.5, 0.1]), TypeError, "router answered ndarray of float64"),
+        ([True], ValueError, "router answered 1 decisions for 2"),
+    ],
+)
+def test_router_answers_of_the_wrong_kind_or_count_are_refused(
+    answer: Any, error: type, message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        Decisions(answer, 2)
