@@ -12,8 +12,10 @@ import pytest
 import torch
 from routing_helpers import VOCAB, make_prompts
 
+from tokencache_models import ForwardOutput
 from tokencache_routing import RoutedEngine, SamplingParams, ScriptedRouter
-from tokencache_routing.core.sampling import Decisions, sample
+from tokencache_routing.core.routers import Router, RouterFeatures
+from tokencache_routing.core.sampling import Decisions, Readback, route, sample
 from tokencache_routing.core.state import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, Request
 
 LOGITS = torch.tensor([2.0, 1.4, 0.9, 0.5, 0.0, -0.6, -1.1, -3.0])
@@ -259,3 +261,44 @@ def test_router_answers_of_the_wrong_kind_or_count_are_refused(
 ) -> None:
     with pytest.raises(error, match=message):
         Decisions(answer, 2)
+
+
+def test_route_hands_the_router_the_steps_features() -> None:
+    """route(): the small step's logits and hidden states, the drawn tokens, each row's
+    generated position (index - prompt length) and route key, as int64 tensors."""
+    seen: list[RouterFeatures] = []
+
+    class Capture(Router):
+        def route(self, f: RouterFeatures) -> Any:
+            seen.append(f)
+            return [True, False, True]
+
+    batch = [
+        Request(i, 40 + i, np.arange(1, 2 + 2 * i), 4, SamplingParams(), frozenset())
+        for i in range(3)
+    ]  # prompts of 1, 3, 5 tokens
+    out = ForwardOutput(torch.randn(3, VOCAB), torch.randn(3, 16))
+    tokens = torch.tensor([5, 6, 7])
+    d = route(Capture(), out, batch, tokens, np.array([1, 7, 5], np.int64))
+    assert d.resolve() == [True, False, True]
+    (f,) = seen
+    assert f.logits is out.logits and f.hidden is out.hidden and f.tokens is tokens
+    assert f.positions.dtype == torch.int64 and f.positions.tolist() == [0, 4, 0]
+    assert f.rids.dtype == torch.int64 and f.rids.tolist() == [40, 41, 42]
+
+
+def test_a_readback_waits_for_its_event_once() -> None:
+    """Readback.get() synchronizes the copies' event the first time only (the CUDA path,
+    with a stand-in event: there is no device here)."""
+
+    class Event:
+        calls = 0
+
+        def synchronize(self) -> None:
+            Event.calls += 1
+
+    rb = Readback([torch.arange(3)])
+    rb._event = Event()
+    assert rb.get()[0].tolist() == [0, 1, 2]
+    assert rb.get()[0].tolist() == [0, 1, 2]
+    assert Event.calls == 1
