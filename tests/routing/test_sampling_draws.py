@@ -205,3 +205,25 @@ def test_a_uniform_just_below_one_never_draws_a_masked_token() -> None:
     tok, failed = sample(logits, batch, np.zeros(3, np.int64))
     # Vocabulary order: the last token with mass is 2; probability order: 0, then 2 alone.
     assert not failed and tok.tolist() == [2, 0, 2]
+
+
+def test_a_batch_whose_every_sampled_row_fails_its_seed() -> None:
+    """No sampled row left to draw: each fails alone, the greedy row still gets its argmax."""
+    batch = [request(SamplingParams(1.0, tp, seed=1), rid=i) for i, tp in enumerate((1.0, 0.5))]
+    for r, s in zip(batch, (2**64, -3), strict=True):
+        object.__setattr__(r.sampling, "seed", s)
+    batch.append(request(SamplingParams(), rid=2))
+    tok, failed = sample(LOGITS.expand(3, -1), batch, np.arange(3))
+    assert sorted(failed) == [0, 1] and tok[2] == 0
+
+
+def test_a_non_finite_row_is_reported_in_either_group() -> None:
+    """Rows without and with a nucleus are drawn as two groups: a NaN row in the second is
+    reported even when the first is clean (and in the first when the second is clean)."""
+    sp = [SamplingParams(1.0, 1.0, seed=1), SamplingParams(1.0, 0.8, seed=2)] * 2
+    batch = [request(p, rid=i) for i, p in enumerate(sp)]
+    for bad in (3, 2):  # a nucleus row, then a plain one
+        logits = LOGITS.expand(4, -1).clone()
+        logits[bad, 1] = float("nan")
+        _, failed = sample(logits, batch, np.arange(4))
+        assert list(failed) == [bad] and isinstance(failed[bad], FloatingPointError)
