@@ -238,6 +238,7 @@ def test_nucleus_boundary_is_exclusive() -> None:
         (torch.tensor([0, 1, 2, 255], dtype=torch.uint8), [False, True, True, True]),
         (torch.tensor([[True], [False], [True], [True]]), [True, False, True, True]),
         (np.array([0, 3, 0, 1], dtype=np.int64), [False, True, False, True]),
+        (np.array([[1], [0], [0], [1]], dtype=np.uint8), [True, False, False, True]),
         ([False, True, 1, 0], [False, True, True, False]),
     ],
 )
