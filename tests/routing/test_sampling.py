@@ -12,8 +12,10 @@ import pytest
 import torch
 from routing_helpers import VOCAB, make_prompts
 
+from tokencache_models import ForwardOutput
 from tokencache_routing import RoutedEngine, SamplingParams, ScriptedRouter
-from tokencache_routing.core.sampling import sample
+from tokencache_routing.core.routers import Router, RouterFeatures
+from tokencache_routing.core.sampling import Decisions, Readback, route, sample
 from tokencache_routing.core.state import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, Request
 
 LOGITS = torch.tensor([2.0, 1.4, 0.9, 0.5, 0.0, -0.6, -1.1, -3.0])
@@ -225,3 +227,79 @@ def test_nucleus_boundary_is_exclusive() -> None:
     wider = requests([SamplingParams(1.0, 0.51, seed=s) for s in range(400)])
     tok, failed = sample(logits, wider)
     assert not failed and set(tok.tolist()) == {0, 1}
+
+
+# ---------------------------------------------------------------- a router's answers
+
+
+@pytest.mark.parametrize(
+    "answer,resolved",
+    [
+        (torch.tensor([0, 1, 2, 255], dtype=torch.uint8), [False, True, True, True]),
+        (torch.tensor([[True], [False], [True], [True]]), [True, False, True, True]),
+        (np.array([0, 3, 0, 1], dtype=np.int64), [False, True, False, True]),
+        (np.array([[1], [0], [0], [1]], dtype=np.uint8), [True, False, False, True]),
+        ([False, True, 1, 0], [False, True, True, False]),
+    ],
+)
+def test_router_answers_resolve_to_one_bool_per_row(answer: Any, resolved: list[bool]) -> None:
+    """Integer answers are truth values: resolve() gives Python bools, one per row."""
+    got = Decisions(answer, 4).resolve()
+    assert got == resolved and all(type(b) is bool for b in got)
+
+
+@pytest.mark.parametrize(
+    "answer,error,message",
+    [
+        (torch.tensor([0.5, 0.1]), TypeError, r"router answered a tensor of torch\.float32"),
+        (torch.tensor([True, False, True]), ValueError, "router answered 3 decisions for 2"),
+        (np.array([0.5, 0.1]), TypeError, "router answered ndarray of float64"),
+        ([True], ValueError, "router answered 1 decisions for 2"),
+    ],
+)
+def test_router_answers_of_the_wrong_kind_or_count_are_refused(
+    answer: Any, error: type, message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        Decisions(answer, 2)
+
+
+def test_route_hands_the_router_the_steps_features() -> None:
+    """route(): the small step's logits and hidden states, the drawn tokens, each row's
+    generated position (index - prompt length) and route key, as int64 tensors."""
+    seen: list[RouterFeatures] = []
+
+    class Capture(Router):
+        def route(self, f: RouterFeatures) -> Any:
+            seen.append(f)
+            return [True, False, True]
+
+    batch = [
+        Request(i, 40 + i, np.arange(1, 2 + 2 * i), 4, SamplingParams(), frozenset())
+        for i in range(3)
+    ]  # prompts of 1, 3, 5 tokens
+    out = ForwardOutput(torch.randn(3, VOCAB), torch.randn(3, 16))
+    tokens = torch.tensor([5, 6, 7])
+    d = route(Capture(), out, batch, tokens, np.array([1, 7, 5], np.int64))
+    assert d.resolve() == [True, False, True]
+    (f,) = seen
+    assert f.logits is out.logits and f.hidden is out.hidden and f.tokens is tokens
+    assert f.positions.dtype == torch.int64 and f.positions.tolist() == [0, 4, 0]
+    assert f.rids.dtype == torch.int64 and f.rids.tolist() == [40, 41, 42]
+
+
+def test_a_readback_waits_for_its_event_once() -> None:
+    """Readback.get() synchronizes the copies' event the first time only (the CUDA path,
+    with a stand-in event: there is no device here)."""
+
+    class Event:
+        calls = 0
+
+        def synchronize(self) -> None:
+            Event.calls += 1
+
+    rb = Readback([torch.arange(3)])
+    rb._event = Event()
+    assert rb.get()[0].tolist() == [0, 1, 2]
+    assert rb.get()[0].tolist() == [0, 1, 2]
+    assert Event.calls == 1

@@ -166,7 +166,10 @@ def draw(
             if nucleus
             else None
         )
-        drawn, ok = _draw(logits[sel], temp, top_p, torch.tensor([us[i] for i in idx]))
+        # float64: torch.tensor of Python floats would round the 53-bit uniforms to float32,
+        # and one in 2**25 to 1.0, past the last token with mass (a masked one).
+        u_idx = torch.tensor([us[i] for i in idx], dtype=torch.float64)
+        drawn, ok = _draw(logits[sel], temp, top_p, u_idx)
         tok[sel] = drawn.to(tok.dtype)
         checks.append((idx, ok))
     return Draw(tok, checks, failed)
