@@ -472,3 +472,30 @@ def test_overlap_runs_a_chunked_prompt_one_chunk_per_step(pair: Any, mode: str) 
     assert len(forwards) == 6 + 3  # the chunks, then a decode step per token after the first
     assert [cont for _, cont in forwards] == [False] + [True] * 8
     check_idle(eng)
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_abort_between_chunks_in_flight_lists_the_request_once(pair: Any, mode: str) -> None:
+    """A prompt chunked across steps in flight (overlap), aborted while one chunk's step is
+    being finished and the next chunk's is already launched: its row there is dropped, and
+    when that step (all of its rows dropped) is finished at once, the request, already back in
+    the running list, is not listed there a second time (which scheduled it again after its
+    abort: its KV re-attached and never released)."""
+    small, large = pair
+    sched = SchedulerConfig(chunked_prefill_size=5)
+    eng = RoutedEngine(small, large, EntropyRouter(math.inf), 512, mode=mode, scheduler=sched)
+    handle = eng.submit(make_prompts(1, seed=83, lo=40, hi=40)[0], 6)
+    inner = eng.sched.finish_small
+    aborted: list[bool] = []
+
+    def finish_small(prep: Any, out: Any, now: float) -> Any:
+        nxt = prep.successor
+        if not aborted and nxt is not None and prep.incomplete[0] and nxt.ahead is not None:
+            aborted.append(handle.abort())  # between the two chunks' steps
+        return inner(prep, out, now)
+
+    eng.sched.finish_small = finish_small  # type: ignore[method-assign]
+    assert handle.wait(60)
+    eng.shutdown()
+    assert aborted == [True] and handle.finished_reason == "abort" and handle.tokens == []
+    check_idle(eng)

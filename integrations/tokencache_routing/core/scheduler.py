@@ -542,7 +542,7 @@ class Scheduler:
             else:
                 st.small_tokens += int(np.diff(prep.q_off)[np.asarray(live)].sum())
                 st.dropped_rows += len(live) - kept
-            for r in self._partial(prep):  # a chunk short of its end: the next one is due
+            for r in self._partial(prep, live):  # a chunk short of its end: the next is due
                 if r.finished_reason is not None:
                     continue
                 if id(r) in cont:  # it runs in nxt, unless aborted meanwhile
@@ -687,20 +687,25 @@ class Scheduler:
         prep.after = None
         self.fail(rows, error)
 
-    def _partial(self, prep: PreparedForward) -> list[Request]:
+    def _partial(self, prep: PreparedForward, live: list[bool] | None = None) -> list[Request]:
         """The requests of a committed forward whose chunk stopped short of their last token
-        (marked partial_prefill, the others unmarked): they go on at the next step."""
+        (marked partial_prefill, the others unmarked): they go on at the next step. Only live
+        rows (live: the caller's prep.live()): a row dropped from the forward (overlap: its
+        request left it, aborted, before it finished) belongs to a request that is elsewhere
+        by now, listed once already."""
         out = []
-        for r, short in zip(prep.batch, prep.incomplete.tolist(), strict=True):
-            r.partial_prefill = short
-            if short:
-                out.append(r)
+        short = prep.incomplete if live is None else prep.incomplete & np.asarray(live)
+        for i, r in enumerate(prep.batch):
+            if live is None or live[i]:
+                r.partial_prefill = bool(short[i])
+                if short[i]:
+                    out.append(r)
         if out:
             st = self.stats
             st.prefill_chunks += len(out)
             if prep.side is self.sides[LARGE]:
                 st.catchup_partial_rows += len(out)
-                st.catchup_partial_kv_tokens += int(prep.kv_lens[prep.incomplete].sum())
+                st.catchup_partial_kv_tokens += int(prep.kv_lens[short].sum())
         return out
 
     def _unbusy(self, batch: Sequence[Request]) -> None:
