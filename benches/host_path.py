@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     t0 = time.perf_counter()
     for runner, o, b, c in tqdm(shapes, desc="decode shapes"):
         rows.append(decode_row(b, c, runner, args.steps, o))
-    for runner in args.runner:
+    for runner in args.runner if args.catchup_rounds > 0 else ():
         for c in tqdm(args.contexts, desc=f"catch-ups ({runner})"):
             rows.append(catchup_row(c, runner, args.catchup_rounds, overlap=overlaps[0]))
     print(

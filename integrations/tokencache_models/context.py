@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .arrays import has_duplicates
 from .batch import ForwardBatch
 from .prefix_groups import PrefixGroup, groups_over_rows, paying_groups, prefix_tables
 from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
@@ -112,7 +113,7 @@ class DeferredTokens:
             raise ValueError(f"DeferredTokens.index out of range for a source of {k} tokens")
         if len(dest) and int(dest.min()) < 0:
             raise ValueError("DeferredTokens.dest holds a negative token position")
-        if len(np.unique(dest)) != len(dest):
+        if has_duplicates(dest):
             raise ValueError("DeferredTokens.dest fills a token position twice")
 
     def __len__(self) -> int:

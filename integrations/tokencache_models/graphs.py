@@ -36,7 +36,14 @@ from .context import (
     decode_kv_width,
     to_device,
 )
-from .prefix_groups import MAX_PREFIX_GROUPS, TILE_FIELDS, PrefixTables, max_tiles, prefix_tables
+from .prefix_groups import (
+    MAX_PREFIX_GROUPS,
+    TILE_FIELDS,
+    PrefixTables,
+    max_tiles,
+    paying_groups,
+    prefix_tables,
+)
 from .prefix_plan import PrefixShape
 
 if TYPE_CHECKING:
@@ -137,6 +144,10 @@ class DecodeGraphRunner:
             for _ in range(0 if device.type == "cpu" else 2)
         ]
         self._next_staging = 0
+        # The last step's prefix tables and what they were built from: steady decoding keeps
+        # its groups, rows and offsets from step to step, so the tables repeat.
+        self._tables_key: tuple[Any, ...] | None = None
+        self._tables: PrefixTables | None = None
         self._reset()
         self._graphs: dict[tuple[int, int, int, int], tuple[Any, ForwardOutput]] = {}
         self._table: SlotTable | None = None  # the slot table the table-keyed graphs read
@@ -289,15 +300,28 @@ class DecodeGraphRunner:
         assert rows is not None
         hbp = hb.padded(rows, self.pool.scratch_slot)
         width = decode_kv_width(int(hbp.kv_lens.max()))
-        groups = hbp.prefix_groups(self.prefix_shape) if self.backend.shares_prefix else []
-        n = len(groups)
-        tables = None
-        if groups:
-            tiles = max_tiles(self.prefix_shape, rows, n)
-            tables = prefix_tables(groups, hbp.q_offsets, hbp.kv_starts, self.prefix_shape, tiles)
+        tables = self._prefix_tables(hbp) if self.backend.shares_prefix else None
+        n = len(tables.groups) if tables is not None else 0
         source = self._slot_source(hb.table)
         self._load(hbp, tables)
         return StaticStep(b, self._key(rows, width, n, source))
+
+    def _prefix_tables(self, hbp: HostBatch) -> PrefixTables | None:
+        """The padded step's shared-prefix tables (HostBatch.prefix_groups' groups), None when
+        no group pays. Built again only when the candidate groups, rows or offsets changed
+        since the last step: steady decoding keeps them, and its tables repeat."""
+        candidates = hbp.candidate_groups()
+        key = (tuple(candidates), hbp.q_offsets.tobytes(), hbp.kv_starts.tobytes())
+        if key != self._tables_key:
+            groups = paying_groups(candidates, hbp.q_offsets, self.prefix_shape, hbp.is_decode)
+            tables = None
+            if groups:
+                tiles = max_tiles(self.prefix_shape, hbp.num_requests, len(groups))
+                tables = prefix_tables(
+                    groups, hbp.q_offsets, hbp.kv_starts, self.prefix_shape, tiles
+                )
+            self._tables_key, self._tables = key, tables
+        return self._tables
 
     @torch.inference_mode()
     def execute(self, step: StaticStep) -> ForwardOutput:

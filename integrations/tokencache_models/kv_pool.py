@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .arrays import has_duplicates
 from .config import ModelConfig
 
 
@@ -54,7 +55,7 @@ class SlotAllocator:
             return
         if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
             raise ValueError("slot id out of range")
-        if n > 1 and len(np.unique(slots)) != n:
+        if has_duplicates(slots):
             raise ValueError("duplicate slot ids in one free() call")
         if not bool(self._in_use[slots].all()):
             raise ValueError("double free: some slots are not allocated")

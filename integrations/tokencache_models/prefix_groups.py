@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import has_duplicates
 from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
 
 # Groups a forward shares at most (the largest savings kept): CUDA graphs are captured per
@@ -89,7 +90,7 @@ def _may_share_more(
     `length` coincide. Then an anchor that is not among them might have cut them short."""
     idx = [r for r in rows if caps[r] > length]
     at = kv_slots[starts[idx] + length] if idx else np.zeros(0, np.int64)
-    return len(np.unique(at)) < len(at)
+    return has_duplicates(at)
 
 
 def _plan(
@@ -261,6 +262,8 @@ def paying_groups(
     beat the split partials that every query token (padding rows included: all of q_offsets)
     then writes and merges (prefix_traffic). Long catch-ups and prefills (many tiles), short
     prefixes and lone small groups in a large batch read per row."""
+    if not groups:
+        return []
     q_lens = np.diff(q_offsets)
     kept = [
         g

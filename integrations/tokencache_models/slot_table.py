@@ -274,10 +274,13 @@ class SlotTable:
             return []
         keys = self._key[rows[eligible]]
         groups: list[PrefixGroup] = []
-        for key in np.unique(keys).tolist():
-            members = eligible[keys == key]
-            if len(members) >= 2:
-                groups += _nested_groups(members, eff[members])
+        if int(keys.min()) == int(keys.max()):  # one reference (one shared prompt): no split
+            groups = _nested_groups(eligible, eff[eligible])
+        else:
+            for key in np.unique(keys).tolist():
+                members = eligible[keys == key]
+                if len(members) >= 2:
+                    groups += _nested_groups(members, eff[members])
         groups.sort(key=lambda g: -g.saved_reads)
         return sorted(groups[:max_groups], key=lambda g: g.rows[0])
 

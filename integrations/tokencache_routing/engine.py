@@ -692,14 +692,24 @@ class RoutedEngine:
         self.notify(touched)  # outside the scheduler lock: listeners may abort
         return worked
 
+    def runner_host_work(self, prep: PreparedForward) -> None:
+        """The modelled runner's host work that this engine's runner may not have done: a GPU
+        clock whose runner reads shared prefixes once needs the forward's candidate prefix
+        groups (HostBatch.candidate_groups, kept on prep.host: free when the runner found
+        them, as the GPU runner does; found here for the CPU runner). Timed with the step's
+        host time; forward_cost, the clock's pricing, is not the engine's work and is not."""
+        clock = self.gpu_clock
+        if clock is not None and clock.shared_prefix:
+            prep.host.candidate_groups()
+
     def forward_cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
         """The forward's device cost on the engine clock (measured_s: its measured device
         time), called once per launched forward; a tool may wrap it on an instance to see each
         price (bench_workloads.StepTrace). Every dispatch (tokencache, naive, naive-sglang) is
         priced here, on the same modelled runner. A GPU clock whose runner
         reads shared prefixes once gets the forward's prefix groups and their traffic
-        (GpuClock.prefix_of_host, recorded on prep for the stats); finding them is host work
-        the modelled runner does too, so it is timed with the step's host time."""
+        (GpuClock.prefix_of_host, recorded on prep for the stats); finding the groups is host
+        work the modelled runner does too (runner_host_work, timed before this is called)."""
         clock = self.gpu_clock
         if clock is not None:
             if clock.shared_prefix:

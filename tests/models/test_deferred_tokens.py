@@ -224,6 +224,8 @@ def test_bad_deferred_tokens_are_refused_early() -> None:
         DeferredTokens(source, np.array([0]), np.array([-1]))
     with pytest.raises(ValueError, match="twice"):
         DeferredTokens(source, np.array([0, 1]), np.array([1, 1]))
+    with pytest.raises(ValueError, match="twice"):  # unsorted
+        DeferredTokens(source, np.array([0, 1, 2]), np.array([2, 0, 2]))
     with pytest.raises(ValueError, match="int64"):
         DeferredTokens(source.int(), np.array([0]), np.array([0]))
     with pytest.raises(ValueError, match="out of range"):  # the batch has 2 tokens

@@ -484,17 +484,21 @@ def test_abort_between_chunks_in_flight_lists_the_request_once(pair: Any, mode: 
     small, large = pair
     sched = SchedulerConfig(chunked_prefill_size=5)
     eng = RoutedEngine(small, large, EntropyRouter(math.inf), 512, mode=mode, scheduler=sched)
-    handle = eng.submit(make_prompts(1, seed=83, lo=40, hi=40)[0], 6)
     inner = eng.sched.finish_small
     aborted: list[bool] = []
 
     def finish_small(prep: Any, out: Any, now: float) -> Any:
         nxt = prep.successor
         if not aborted and nxt is not None and prep.incomplete[0] and nxt.ahead is not None:
-            aborted.append(handle.abort())  # between the two chunks' steps
+            # The request's own handle: a threaded worker may get here before submit() has
+            # returned it to this thread.
+            aborted.append(prep.batch[0].handle.abort())  # between the two chunks' steps
         return inner(prep, out, now)
 
+    # Hooked before the submit: a threaded worker may run every chunk before this thread
+    # gets back from submit() (under load it did, and the abort never happened).
     eng.sched.finish_small = finish_small  # type: ignore[method-assign]
+    handle = eng.submit(make_prompts(1, seed=83, lo=40, hi=40)[0], 6)
     assert handle.wait(60)
     eng.shutdown()
     assert aborted == [True] and handle.finished_reason == "abort" and handle.tokens == []

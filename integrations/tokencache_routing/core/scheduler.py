@@ -695,6 +695,11 @@ class Scheduler:
         by now, listed once already."""
         out = []
         short = prep.incomplete if live is None else prep.incomplete & np.asarray(live)
+        if not short.any():  # every chunk ran to its end (decoding): unmark, list none
+            for i, r in enumerate(prep.batch):
+                if r.partial_prefill and (live is None or live[i]):
+                    r.partial_prefill = False
+            return out
         for i, r in enumerate(prep.batch):
             if live is None or live[i]:
                 r.partial_prefill = bool(short[i])

@@ -24,7 +24,8 @@ from ..core.state import LARGE, SMALL, DriverEngine, Request
 
 class EventEngine(DriverEngine, Protocol):
     """The engine as the event loop sees it: the driver interface, the clock options it was
-    built with, and the price of one forward (RoutedEngine.forward_cost)."""
+    built with, the modelled runner's host work and the price of one forward
+    (RoutedEngine.runner_host_work, forward_cost)."""
 
     @property
     def topology(self) -> str: ...
@@ -34,6 +35,8 @@ class EventEngine(DriverEngine, Protocol):
 
     @property
     def host_charge(self) -> str: ...
+
+    def runner_host_work(self, prep: PreparedForward) -> None: ...
 
     def forward_cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float: ...
 
@@ -226,8 +229,9 @@ class EventLoop:
             if not isinstance(e, Exception):
                 raise
             return None
-        device = self.eng.forward_cost(kind, prep, dt)  # the clock's own grouping is host work too
+        self.eng.runner_host_work(prep)  # the modelled runner's grouping is host work
         host = timer() - h0 - prep.execute_host_s
+        device = self.eng.forward_cost(kind, prep, dt)  # the clock's pricing is not
         return Launched(kind, prep, dt, device, host, self._tree_s() - tree0)
 
     def _land(self, launched: Launched, now: float) -> tuple[list[Request], float, float]:
