@@ -693,7 +693,7 @@ class Scheduler:
         rows (live: the caller's prep.live()): a row dropped from the forward (overlap: its
         request left it, aborted, before it finished) belongs to a request that is elsewhere
         by now, listed once already."""
-        out = []
+        out: list[Request] = []
         short = prep.incomplete if live is None else prep.incomplete & np.asarray(live)
         if not short.any():  # every chunk ran to its end (decoding): unmark, list none
             for i, r in enumerate(prep.batch):
