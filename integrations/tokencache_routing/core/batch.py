@@ -19,6 +19,14 @@ from .sampling import Decisions, Draw, draw, route
 from .state import Request
 
 
+def not_prefilled(q: Request, kind: int) -> bool:
+    """Whether q's KV in this model is not committed up to its last token yet: its prefill
+    (or a chunk of it) is still to run, or runs now. overlaps_prefill skips every other."""
+    h = q.kv[kind] if q.kv else None
+    done = h.length if h is not None and h.attached else 0
+    return done < q.n - 1
+
+
 def overlaps_prefill(
     r: Request,
     running: Sequence[Request],

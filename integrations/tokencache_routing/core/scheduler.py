@@ -26,6 +26,7 @@ from .batch import (
     RowPlan,
     attach_all,
     chunk_ends,
+    not_prefilled,
     overlaps_prefill,
     prepare_forward,
     take_catchup_batch,
@@ -301,15 +302,24 @@ class Scheduler:
         if self.admit_blocked and self.active():
             return
         self.admit_blocked = False
+        if not self.waiting or self.num_active() >= cfg.max_admitted:
+            return  # nothing to admit, or no place for it
+        if not_after is not None and self.waiting[0].submitted_at > not_after:
+            return  # the first in line has not arrived yet on this clock
         small_page = self.sides[SMALL].page_size
         held: list[Request] = []
+        # Requests whose prefill in the small model has not run to its end: the only ones
+        # overlaps_prefill can find (it skips one committed up to a request's last token), so
+        # a burst of held-back arrivals is checked against a few, not against everyone
+        # running. Admitted ones join it (not prefilled yet).
+        prefilling = [q for q in self.running + self.busy if not_prefilled(q, SMALL)]
         while self.waiting and self.num_active() < cfg.max_admitted:
             r = self.waiting.popleft()
             if not_after is not None and r.submitted_at > not_after:
                 self.waiting.appendleft(r)
                 break
             if self.holdback and overlaps_prefill(
-                r, self.running + self.busy, SMALL, small_page, self._cached_len(SMALL)
+                r, prefilling, SMALL, small_page, self._cached_len(SMALL)
             ):
                 self.stats.held_back += 1
                 held.append(r)
@@ -320,6 +330,7 @@ class Scheduler:
                 self.admitted += 1
             r.last_small_step = self.stats.steps
             self.running.append(r)
+            prefilling.append(r)
         self.waiting.extendleft(reversed(held))  # first in line at the next admission
 
     def _cached_len(self, kind: int) -> Callable[[Request], int]:
