@@ -296,3 +296,75 @@ def test_a_model_pickles_with_its_executor_switches_and_without_its_runners() ->
     copy = pickle.loads(pickle.dumps(model))
     assert copy.executor.decode_padding is True and copy.executor.decode_buckets == (1, 2, 4)
     assert copy.executor.model is copy and copy.executor.runners(model.make_kv_pool(8)) == []
+
+
+def test_prefix_tables_kept_between_steps_equal_fresh_ones() -> None:
+    """The graph runner keeps the last step's shared-prefix tables while candidate groups, rows
+    and offsets repeat: step after step, as rows join and leave, a row's request is replaced
+    by one on the other prompt (same place, new groups) and contexts grow, it loads exactly
+    what a runner building every step from scratch loads. Rows keep fixed places in a flat
+    slot buffer, as in the engine's slot table, so most steps repeat their offsets."""
+    model = _model("triton")
+    pool = model.make_kv_pool(16384)
+    backend = model.attention("triton")
+    assert backend.shares_prefix
+    kept = DecodeGraphRunner(model, pool, backend, (2, 4, 8), use_graphs=False)
+    width = 1024
+    flat = np.zeros(8 * width, np.int64)
+    lens = [0] * 8
+    prompts = [pool.alloc(600).numpy(), pool.alloc(700).numpy()]
+
+    def start(i: int, prompt: int) -> None:  # a new request on prompt in row i's place
+        own = pool.alloc(3 + i).numpy()
+        flat[i * width : i * width + len(prompts[prompt]) + len(own)] = np.concatenate(
+            (prompts[prompt], own)
+        )
+        lens[i] = len(prompts[prompt]) + len(own)
+
+    for i in range(8):
+        start(i, i % 2)
+    rng = np.random.default_rng(5)
+    hits = loads = 0
+    for step in range(32):
+        live = list(range(8))
+        if step % 4 == 1:  # some rows wait this step
+            live = sorted(rng.choice(8, size=int(rng.integers(2, 8)), replace=False).tolist())
+        if step % 8 in (5, 6):  # the same groups twice, from other places (anchors move)
+            family = [[i for i in range(8) if flat[i * width] == p[0]] for p in prompts]
+            first = family[0] if step % 8 == 5 else family[0][1:] + family[0][:1]
+            live = first + family[1]
+        if step % 8 == 3:  # a request ends, another takes its place on the other prompt
+            i = int(rng.integers(8))
+            start(i, int(flat[i * width] == prompts[0][0]))
+        new = pool.alloc(len(live)).numpy()
+        for i, slot in zip(live, new.tolist(), strict=True):
+            flat[i * width + lens[i]] = slot
+            lens[i] += 1
+        n = len(live)
+        hb = HostBatch(
+            token_ids=np.ones(n, np.int64),
+            positions=np.array([lens[i] - 1 for i in live], np.int64),
+            out_slots=new,
+            q_offsets=np.arange(n + 1, dtype=np.int64),
+            kv_slots=flat,
+            kv_starts=np.array([i * width for i in live], np.int64),
+            kv_lens=np.array([lens[i] for i in live], np.int64),
+            num_real=n,
+        )
+        before = kept._tables
+        fresh = DecodeGraphRunner(model, pool, backend, (2, 4, 8), use_graphs=False)
+        a = kept.prepare(hb)
+        b = fresh.prepare(dataclasses.replace(hb, memo={}))
+        assert a.key == b.key
+        hits += kept._tables is before and before is not None
+        loads += a.key[2] > 0  # steps that read a shared prefix
+        # What the step's forward reads: every buffer view of its static context.
+        ca, cb = kept.static_context(*a.key), fresh.static_context(*b.key)
+        for name in ("token_ids", "positions", "out_slots", "kv_starts", "kv_lens"):
+            assert torch.equal(getattr(ca, name), getattr(cb, name)), name
+        assert (ca.prefix is None) == (cb.prefix is None)
+        if ca.prefix is not None and cb.prefix is not None:
+            assert torch.equal(ca.prefix.row_skip, cb.prefix.row_skip)
+            assert torch.equal(ca.prefix.tiles, cb.prefix.tiles)
+            assert torch.equal(ca.prefix.tokens, cb.prefix.tokens)
+    assert loads >= 24 and hits >= 6  # the kept tables served many steps
