@@ -48,12 +48,11 @@ import torch  # noqa: E402
 from tokencache_models import (  # noqa: E402
     CausalLM,
     DecodeGraphRunner,
-    ForwardOutput,
     ModelConfig,
     ModelExecutor,
-    PreparedStep,
     random_model,
 )
+from tokencache_models.stub import stub_execute  # noqa: E402
 from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
 from tokencache_routing.core.routers import ScriptedRouter  # noqa: E402
 from tokencache_routing.sim.clock import GpuClock  # noqa: E402
@@ -74,13 +73,7 @@ OWN_TOKENS = 16  # each request's own tokens after the shared prompt
 
 def stub_device(model: CausalLM, runner: str) -> CausalLM:
     """The model with its device work replaced by zero logits (host preparation kept)."""
-    hidden, vocab = model.config.hidden_size, model.config.vocab_size
-
-    def execute(self: CausalLM, step: PreparedStep) -> ForwardOutput:
-        n = step.static.num_real if step.static is not None else step.context.num_real  # type: ignore[union-attr]
-        return ForwardOutput(logits=torch.zeros(n, vocab), hidden=torch.zeros(n, hidden))
-
-    model.execute = types.MethodType(execute, model)  # type: ignore[method-assign]
+    stub_execute(model)
     if runner == "gpu":
         model.attention_backend_name = "triton"  # its host plan: the shared-prefix tables
         executor = model.executor

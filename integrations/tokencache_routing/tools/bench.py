@@ -40,8 +40,11 @@ less, with shared-prefix reads, the longest prefix two requests share, which is 
 often as one forward of all of them would, whatever K: no one-device schedule beats it on the
 GPU clock).
 Markdown table on stdout, bench.json and bench.png (when matplotlib is installed) in --out.
-The engine clock charges forwards and tree time; the engine's other host work is not on it
-(the report's clock line says so).
+The engine clock charges forwards and the engine's measured host time (RoutedEngine's
+host_charge, default serial: with overlap the GPU waits only for what the pipeline cannot
+hide; --host-charge trees charges the tree calls only, as before issue 20); the report's
+clock line says which. --stub-device times that host path without the CPU models' forwards
+(zero logits, the same schedule): on this CPU each forward also evicts the host's caches.
 """
 
 from __future__ import annotations
@@ -600,6 +603,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="tokencache without overlapped scheduling (RoutedEngine(overlap=False)): the "
         "serial host path, every host microsecond on the GPU's clock",
     )
+    ap.add_argument(
+        "--stub-device",
+        action="store_true",
+        help="the CPU models' forwards return zero logits at once (tokencache_models.stub): the "
+        "host path timed without them (on this CPU each also evicts the host's caches between "
+        "steps, which a GPU's forward does not); the schedule is the same (the Bernoulli router "
+        "and EOS-free lengths ignore the logits), the tokens are 0. GPU clock only",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out/routing", help="folder for bench.json, bench.png")
@@ -623,6 +634,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error(f"--large-tp must be >= 1, got {a.large_tp}")
     if a.large_tp > 1 and (a.clock != "gpu" or a.profile != "h200-roofline"):
         ap.error("--large-tp prices the h200-roofline profile only (a measured fit is one GPU's)")
+    if a.stub_device and (a.clock != "gpu" or "threaded" in a.dispatches):
+        ap.error("--stub-device needs --clock gpu and no threaded rows (their time is wall time)")
     if a.quick:
         a.contexts, a.rates, a.max_running, a.min_large_batch = [96], [0.1], 4, 2
     a.points = resolve(a)  # fills the workload's defaults in
@@ -728,6 +741,10 @@ def measure(a: argparse.Namespace, out: Path) -> tuple[list[Row], dict[str, Any]
         tqdm = None
     points: list[Workload] = a.points
     models = tiny_models(max(w.context for w in points) + 64)
+    if a.stub_device:
+        from tokencache_models.stub import stub_execute
+
+        models = (stub_execute(models[0]), stub_execute(models[1]))
     jobs: list[tuple[Workload, int, float, str]] = []
     for w in points:
         for c in a.concurrency:
@@ -783,9 +800,10 @@ def report(rows: list[Row], args: dict[str, Any]) -> None:
         else f"{rps} x C requests, max_running C in {cs}"
     )
     k = args["system_prompts"]
+    stub = "; device work stubbed (--stub-device)" if args.get("stub_device") else ""
     print(
-        f"clock: {clock} + bookkeeping measured here ({host_note(rows)}); threaded rows: wall time "
-        f"on this CPU. {n_text}, {'/'.join(map(str, news))} new tokens each, "
+        f"clock: {clock} + bookkeeping measured here ({host_note(rows)}{stub}); threaded rows: "
+        f"wall time on this CPU. {n_text}, {'/'.join(map(str, news))} new tokens each, "
         f"min_large_batch {args['min_large_batch']}, max_wait {args['max_wait']} steps, "
         f"min_occupancy {args['min_occupancy']}, topology {args['topology']}, "
         f"{k} system prompt{'s' if k > 1 else ''}, {chunk_note(rows)}"
