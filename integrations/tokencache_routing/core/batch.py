@@ -48,13 +48,19 @@ def overlaps_prefill(
         done = h.length if h is not None and h.attached else 0
         if m < page_size or done >= m:
             continue
-        diff = np.flatnonzero(r.seq[:m] != q.seq[:m])
-        common = diff[0] if len(diff) else m
-        if common < page_size or common <= done:
-            continue
         if known < 0:
             known = cached(r) if cached is not None else 0
-        if common >= known + page_size:
+        # Held when their common prefix reaches a page past what is cached and past what q
+        # has committed: when their first `need` tokens agree. The last page of those is
+        # compared first: requests on one cached prompt part right after it, so most pairs
+        # are told apart in O(page), not O(context).
+        need = max(known + page_size, done + 1, page_size)
+        if need > m:
+            continue
+        lo = need - page_size
+        if r.seq[lo:need].tobytes() == q.seq[lo:need].tobytes() and np.array_equal(
+            r.seq[:lo], q.seq[:lo]
+        ):
             return True
     return False
 
