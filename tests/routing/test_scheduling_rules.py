@@ -52,9 +52,9 @@ class Watch:
         if len(self.s.active()) > cfg.max_admitted:
             self.violations.append(f"{len(self.s.active())} admitted > {cfg.max_admitted}")
 
-    def make_room(self, side: Any, batch: list[Any], kind: int, ahead: Any = ()) -> None:
+    def make_room(self, side: Any, batch: list[Any], kind: int, *rest: Any) -> None:
         self._batch = batch
-        self._make_room(side, batch, kind, ahead)
+        self._make_room(side, batch, kind, *rest)
 
     def preempt(self, r: Any) -> None:
         s = self.s

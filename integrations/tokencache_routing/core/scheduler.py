@@ -361,13 +361,16 @@ class Scheduler:
         batch: list[Request],
         kind: int,
         need_of: Callable[[list[Request]], int],
+        need: int | None = None,
     ) -> None:
         """Evict cached KV, then preempt the newest requests, until the batch's tokens fit
-        (need_of(batch): the new KV slots of this step's chunks, Scheduler._plan). Raises
-        WaitForMemory when only busy requests (a forward running now) could give memory back,
-        MemoryError when nothing can."""
+        (need_of(batch): the new KV slots of this step's chunks, Scheduler._plan; need: the
+        batch's as given, when the caller planned it already). Raises WaitForMemory when only
+        busy requests (a forward running now) could give memory back, MemoryError when
+        nothing can."""
         while batch:
-            need = need_of(batch)
+            if need is None:
+                need = need_of(batch)
             if side.pool.available >= need:
                 return
             side.evict(need - side.pool.available)
@@ -384,6 +387,7 @@ class Scheduler:
             if victim in batch:
                 batch.remove(victim)
             self.preempt(victim)
+            need = None  # the batch may have lost a row: planned again
 
     def _plan(
         self,
@@ -442,9 +446,13 @@ class Scheduler:
         try:
             attach_all(batch if not ahead else [r for r in batch if id(r) not in ahead], kind)
             plan = self._plan(batch, kind, after, ahead)
-            if side.pool.available < plan.need:  # evict or preempt (rare): plan again after
-                self.make_room(side, batch, kind, lambda b: self._plan(b, kind, after, ahead).need)
-                plan = self._plan(batch, kind, after, ahead)
+            if side.pool.available < plan.need:  # evict, or preempt (rare: plan again after)
+                rows = len(batch)
+                self.make_room(
+                    side, batch, kind, lambda b: self._plan(b, kind, after, ahead).need, plan.need
+                )
+                if len(batch) != rows:  # a row was preempted; eviction changes no row's plan
+                    plan = self._plan(batch, kind, after, ahead)
             run = plan.ends > plan.starts
             if not run.all():  # the token budget gives these nothing this step
                 for i in np.flatnonzero(~run).tolist():
