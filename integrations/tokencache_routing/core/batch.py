@@ -270,16 +270,15 @@ class PreparedForward:
                 self.side, self.handles, self.q_off, self.tokens, self.new_slots
             )
             return
-        keep = np.flatnonzero(live)
-        lo, hi = self.q_off[:-1], self.q_off[1:]
-        gone = np.flatnonzero(~np.asarray(live))
-        self.side.free(np.concatenate([self.new_slots[lo[i] : hi[i]] for i in gone.tolist()]))
+        alive = np.asarray(live, dtype=np.bool_)
+        lens = np.diff(self.q_off)
+        take = np.repeat(alive, lens)  # per token: its row is live
+        self.side.free(self.new_slots[~take])
+        keep = np.flatnonzero(alive)
         if not len(keep):
             return
-        spans = [np.arange(lo[i], hi[i]) for i in keep.tolist()]
-        take = np.concatenate(spans)
         q_off = np.zeros(len(keep) + 1, np.int64)
-        np.cumsum(hi[keep] - lo[keep], out=q_off[1:])
+        np.cumsum(lens[keep], out=q_off[1:])
         handles = [self.handles[i] for i in keep.tolist()]
         handles[0].commit_many(self.side, handles, q_off, self.tokens[take], self.new_slots[take])
 
