@@ -61,6 +61,8 @@ def test_overlaps_prefill_is_the_definition(
 
     want = _held(req, running, page, min(known, req.n - 1))
     assert overlaps_prefill(req, running, 0, page, cached) is want
+    # Without a tree to ask, nothing counts as cached.
+    assert overlaps_prefill(req, running, 0, page) is _held(req, running, page, 0)
     assert len(calls) <= 1  # the tree is asked once at most
     # The requests it can ever find are the ones still prefilling (admission's pre-filter).
     assert overlaps_prefill(req, [q for q in running if not_prefilled(q, 0)], 0, page, cached) is (

@@ -50,11 +50,11 @@ def overlaps_prefill(
             continue
         if known < 0:
             known = cached(r) if cached is not None else 0
-        # Held when their common prefix reaches a page past what is cached and past what q
-        # has committed: when their first `need` tokens agree. The last page of those is
+        # Held when their common prefix reaches a page past what is cached and passes what
+        # q has committed: when their first `need` tokens agree. The last page of those is
         # compared first: requests on one cached prompt part right after it, so most pairs
         # are told apart in O(page), not O(context).
-        need = max(known + page_size, done + 1, page_size)
+        need = max(known + page_size, done + 1)  # known >= 0: a page at least
         if need > m:
             continue
         lo = need - page_size
