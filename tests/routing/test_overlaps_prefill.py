@@ -68,3 +68,12 @@ def test_overlaps_prefill_is_the_definition(
     assert overlaps_prefill(req, [q for q in running if not_prefilled(q, 0)], 0, page, cached) is (
         want
     )
+
+
+def test_not_prefilled_is_kv_short_of_the_last_token() -> None:
+    """A request is still prefilling in a model until its KV there is committed up to its
+    last token (attach matches all but that one); one never attached there is prefilling."""
+    seq = [1, 2, 3, 4, 5]
+    assert not not_prefilled(_request(seq, 4), 0)  # committed up to its last token
+    assert not_prefilled(_request(seq, 3), 0)  # a chunk of its prompt still to run
+    assert not_prefilled(_request(seq, None), 0)  # not attached: all of it
