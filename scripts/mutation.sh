@@ -35,7 +35,7 @@ PY="$ROOT/.venv/bin/python"
 # files that pin the module's promises).
 TESTS_sampling="tests/routing/test_sampling.py tests/routing/test_sampling_draws.py tests/routing/test_overlap.py tests/routing/test_routers.py tests/routing/test_failures.py"
 TESTS_rng="tests/routing/test_sampling_rng.py tests/routing/test_sampling.py tests/routing/test_routers.py"
-TESTS_scheduler="tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
+TESTS_scheduler="tests/routing/test_scheduler_mutants.py tests/routing/test_catchup_holdback.py tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
 TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission.py tests/routing/test_slot_rows.py tests/routing/test_exactness.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
 
 export_head() {  # $1: folder; the committed tree only (nothing uncommitted is tested)
