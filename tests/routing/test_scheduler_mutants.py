@@ -24,6 +24,7 @@ class Handle:
 
     def __init__(self, error: BaseException | None = None) -> None:
         self.error, self.released = error, 0
+        self.attached, self.length = False, 0  # no KV yet (a first forward in its model)
 
     def release(self, seq: Any) -> None:
         self.released += 1
@@ -45,8 +46,38 @@ def request(rid: int, prompt_len: int = 4, max_new: int = 8) -> Request:
     return r
 
 
+class Side:
+    """A stand-in model side for hold-backs: a page size and an empty cache."""
+
+    page_size = 1
+
+    def cached_prefix_len(self, tokens: Any) -> int:
+        return 0
+
+
 def scheduler(**cfg: Any) -> Scheduler:
     return Scheduler((None, None), SchedulerConfig(**cfg), None, None, False, False)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- SchedulerConfig
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "max_running",
+        "chunked_prefill_size",
+        "large_chunked_prefill_size",
+        "min_large_batch",
+        "max_wait_steps",
+        "max_large_batch",
+        "max_parked",
+    ],
+)
+def test_a_refused_config_value_is_named_in_the_error(field: str) -> None:
+    """__post_init__: the error names the field refused (mutant 16: "XXchunked_prefill_sizeXX")."""
+    with pytest.raises(ValueError, match=rf"^SchedulerConfig\.{field} must be an int >= \d"):
+        SchedulerConfig(**{field: -1})
 
 
 # ---------------------------------------------------------------- launch_due
@@ -66,7 +97,40 @@ def test_a_catchup_split_in_chunks_goes_on_at_once() -> None:
     assert s.launch_due(False, False)
 
 
-# ---------------------------------------------------------------- fail and _each
+# ---------------------------------------------------------------- _release, finish, fail, _each
+
+
+def test_a_release_that_raises_releases_the_other_model_and_ends_the_request_with_it() -> None:
+    """_release: one model's release raises; the other model's KV is released all the same
+    and the error propagates, so finish ends the request with it (mutant 3: `first = None`
+    swallowed it: the request ended by length, its error unreported)."""
+    s = scheduler()
+    r = request(0)
+    boom = OSError("release failed")
+    r.kv[0] = Handle(boom)
+    s.running = [r]
+    s.finish(r, "length")
+    assert r.finished_reason == "error" and r.error is boom
+    assert [h.released for h in r.kv] == [1, 1]
+    assert s.running == [] and s.stats.failed == 1
+
+
+def test_an_aborted_request_that_fails_ends_with_its_error() -> None:
+    """finish: a request whose abort was asked for and that then fails ends "error" with its
+    error, not "abort" (mutant 18: `reason != "ERROR"` made it an abort)."""
+    s = scheduler()
+    r = request(0)
+    r.abort_requested = True
+    boom = RuntimeError("forward failed")
+    s.running = [r]
+    s.finish(r, "error", boom)
+    assert r.finished_reason == "error" and r.error is boom
+    assert (s.stats.failed, s.stats.aborted) == (1, 0)
+    q = request(1)
+    q.abort_requested = True
+    s.finish(q, "length")
+    assert q.finished_reason == "abort" and q.error is None
+    assert (s.stats.failed, s.stats.aborted, s.stats.finished) == (1, 1, 2)
 
 
 def test_fail_re_raises_an_interrupt_once_the_whole_batch_ended() -> None:
@@ -127,16 +191,24 @@ def test_each_ends_the_rest_of_the_batch_on_an_interrupt_then_re_raises_it() -> 
     assert s.running == [batch[0]]
 
 
-# ---------------------------------------------------------------- schedule_large, finish_large
+# ---------------------------------------------------------------- admit
 
 
-class Side:
-    """A stand-in model side for the catch-up batching: a page size and an empty cache."""
-
-    page_size = 1
-
-    def cached_prefix_len(self, tokens: Any) -> int:
-        return 0
+def test_admission_counts_each_request_it_holds_back() -> None:
+    """admit with hold-back: two requests sharing the whole prompt of one admitted before
+    them, not prefilled yet, are held back, each counted once, and stay first in line
+    (mutant 28: `held_back = 1`)."""
+    s = Scheduler((Side(), Side()), SchedulerConfig(), None, lambda side: Handle(), False, True)  # type: ignore[arg-type]
+    a, b, c, d = (request(i) for i in range(4))
+    for r in (b, c):
+        r.seq[:] = a.seq
+    for r in (a, b, c, d):
+        r.admit_order = -1
+        s.add(r)
+    s.admit()
+    assert s.running == [a, d] and list(s.waiting) == [b, c]
+    assert s.stats.held_back == 2
+    assert [r.admit_order for r in (a, b, c, d)] == [0, -1, -1, 1]
 
 
 def test_a_catchup_waiting_for_memory_leaves_the_parked_list_as_it_was() -> None:
@@ -145,9 +217,6 @@ def test_a_catchup_waiting_for_memory_leaves_the_parked_list_as_it_was() -> None
     back (mutant 32: `batch - self.parked`, a TypeError instead)."""
     s = Scheduler((Side(), Side()), SchedulerConfig(), None, None, False, False)  # type: ignore[arg-type]
     parked = [request(i) for i in range(3)]
-    for r in parked:
-        r.kv = [Handle(), Handle()]
-        r.kv[1].attached, r.kv[1].length = False, 0  # type: ignore[attr-defined]
     parked[2].seq[:] = parked[0].seq  # shares its whole prompt with request 0: held back
     s.parked = list(parked)
     tried: list[list[int]] = []
