@@ -63,21 +63,25 @@ def scheduler(**cfg: Any) -> Scheduler:
 
 
 @pytest.mark.parametrize(
-    "field",
+    "field,lo",
     [
-        "max_running",
-        "chunked_prefill_size",
-        "large_chunked_prefill_size",
-        "min_large_batch",
-        "max_wait_steps",
-        "max_large_batch",
-        "max_parked",
+        ("max_running", 1),
+        ("chunked_prefill_size", 0),
+        ("large_chunked_prefill_size", 0),
+        ("min_large_batch", 1),
+        ("max_wait_steps", 0),
+        ("max_large_batch", 1),
+        ("max_parked", 0),
     ],
 )
-def test_a_refused_config_value_is_named_in_the_error(field: str) -> None:
-    """__post_init__: the error names the field refused (mutant 16: "XXchunked_prefill_sizeXX")."""
-    with pytest.raises(ValueError, match=rf"^SchedulerConfig\.{field} must be an int >= \d"):
-        SchedulerConfig(**{field: -1})
+def test_each_int_knob_takes_its_least_value_and_refuses_one_less(field: str, lo: int) -> None:
+    """__post_init__: the least value allowed is accepted, one less refused with an error that
+    names the field and the bound (mutants 16, 36: the field misnamed; 56: max_large_batch=1
+    refused)."""
+    assert getattr(SchedulerConfig(**{field: lo}), field) == lo
+    message = rf"^SchedulerConfig\.{field} must be an int >= {lo}, got {lo - 1}$"
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**{field: lo - 1})
 
 
 # ---------------------------------------------------------------- launch_due
