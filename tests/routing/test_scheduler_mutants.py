@@ -402,3 +402,41 @@ def test_the_token_counters_count_each_delivered_token_once(pair: Any) -> None:
     models = [m for ms in res.models for m in ms]
     assert eng.stats.tokens == sum(len(t) for t in res.tokens) == len(models) == 45
     assert eng.stats.large_tokens == models.count(LARGE) > 0
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_an_interrupt_while_a_small_step_ends_its_requests_ends_the_rest(
+    pair: Any, mode: str
+) -> None:
+    """finish_small: three requests take their last token in one small step and the release
+    of the second is interrupted (KeyboardInterrupt, after releasing): the first two end by
+    their length (their tokens delivered), the third ends with the interrupt before its last
+    token, and the interrupt propagates: out of the event loop's wait, or ending the threaded
+    driver's worker (mutant 156: `self.fail(e)`, a TypeError instead, the third left
+    unfinished)."""
+    eng = RoutedEngine(*pair, ScriptedRouter({}), 256, mode=mode)
+    stop = KeyboardInterrupt()
+    real, raised = eng.sched._release, []
+
+    def release(r: Request) -> None:
+        real(r)
+        if r.route_key == 1 and not raised:
+            raised.append(r)
+            raise stop
+
+    eng.sched._release = release  # type: ignore[method-assign]
+    prompts = make_prompts(3, seed=80, lo=5, hi=5)
+    handles = [eng.submit(p, 4, route_key=i) for i, p in enumerate(prompts)]
+    interrupted = False
+    try:
+        for h in handles:
+            assert h.wait(60)
+    except KeyboardInterrupt as e:
+        interrupted = e is stop
+    assert interrupted == (mode == "events")
+    eng.sched._release = real  # type: ignore[method-assign]
+    assert [h.finished_reason for h in handles] == ["length", "length", "error"]
+    assert [len(h.tokens) for h in handles] == [4, 4, 3]
+    assert handles[2].error is stop
+    eng.shutdown()
+    check_idle(eng)
