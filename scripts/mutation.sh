@@ -13,7 +13,10 @@
 #       --file rust/tokencache-core/src/cell.rs --re 'NodeCell::(pin|unpin)').
 #
 # Environment: OUT (default /tmp/tokencache-mutation), JOBS (parallel mutants, default 1),
-# TIMEOUT_S (wall limit of the whole run, default 3600; partial results are kept).
+# TIMEOUT_S (wall limit of the whole run, default 3600; partial results are kept),
+# MUT_TIMEOUT_MULTIPLIER / MUT_TIMEOUT_CONSTANT (mutmut's per-mutant limit, default 3 / 20: a
+# mutant's tests are stopped, verdict "timeout", after (T + constant) * multiplier wall seconds,
+# T their clean duration; mutmut's own defaults, 15 / 1, let a hung mutant run ~13 minutes).
 # Tools: mutmut and its dependencies pinned in requirements/optional/mutation.txt (installed
 # into .venv on first use), cargo-mutants (`cargo install cargo-mutants --locked --version
 # 27.1.0`). Record what a run killed in docs/MUTATION.md with the date, commit and scope.
@@ -22,6 +25,8 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-/tmp/tokencache-mutation}"
 JOBS="${JOBS:-1}"
 TIMEOUT_S="${TIMEOUT_S:-3600}"
+MUT_TIMEOUT_MULTIPLIER="${MUT_TIMEOUT_MULTIPLIER:-3}"
+MUT_TIMEOUT_CONSTANT="${MUT_TIMEOUT_CONSTANT:-20}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PY="$ROOT/.venv/bin/python"
 [ -x "$PY" ] || PY=python3
@@ -30,7 +35,7 @@ PY="$ROOT/.venv/bin/python"
 # files that pin the module's promises).
 TESTS_sampling="tests/routing/test_sampling.py tests/routing/test_sampling_draws.py tests/routing/test_overlap.py tests/routing/test_routers.py tests/routing/test_failures.py"
 TESTS_rng="tests/routing/test_sampling_rng.py tests/routing/test_sampling.py tests/routing/test_routers.py"
-TESTS_scheduler="tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
+TESTS_scheduler="tests/routing/test_scheduler_mutants.py tests/routing/test_catchup_holdback.py tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
 TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission.py tests/routing/test_slot_rows.py tests/routing/test_exactness.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
 
 export_head() {  # $1: folder; the committed tree only (nothing uncommitted is tested)
@@ -74,6 +79,11 @@ run_python() {
       # per mutant (torch imported each time) but is sound.
       echo "process_isolation = forkserver"
       echo "forkserver_warmup = none"
+      # The per-mutant limit: mutmut sends SIGXCPU after (T + constant) * multiplier wall
+      # seconds, T the summed clean durations (call phase only) of the mutant's tests. The
+      # constant covers what T leaves out: the child's ~10 s torch import and test setup.
+      echo "timeout_multiplier = $MUT_TIMEOUT_MULTIPLIER"
+      echo "timeout_constant = $MUT_TIMEOUT_CONSTANT"
     } > "$d/setup.cfg"
     echo "== mutmut: tokencache_routing/core/$m.py against $tests"
     # shellcheck disable=SC2086  # MUTANTS: globs for mutmut, unquoted on purpose

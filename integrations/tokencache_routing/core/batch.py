@@ -427,12 +427,16 @@ def prepare_forward(
         positions = np.repeat(starts - q_off[:-1], q_lens) + np.arange(total, dtype=np.int64)
         token_rows = np.repeat(rows, q_lens)
     new_slots = side.alloc(total)
-    side.table.scatter(token_rows, positions, new_slots)
-    host = HostBatch.from_table(side.table, rows, tokens, positions, new_slots, q_off, ends)
-    facts = RowFacts.carried(batch, source, after)
-    prep = PreparedForward(
-        side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full, facts
-    )
+    try:  # until a PreparedForward owns them, nothing else would give these slots back
+        side.table.scatter(token_rows, positions, new_slots)
+        host = HostBatch.from_table(side.table, rows, tokens, positions, new_slots, q_off, ends)
+        facts = RowFacts.carried(batch, source, after)
+        prep = PreparedForward(
+            side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full, facts
+        )
+    except BaseException:
+        side.free(new_slots)
+        raise
     if after is not None and source is not None and cont is not None and dest is not None:
         if cont.any():
             prep.after, prep.ahead = after, cont
