@@ -30,6 +30,7 @@ from tokencache_routing import (
     ScriptedRouter,
     reference_generate,
 )
+from tokencache_routing.core import batch as batch_module
 
 MODES = [("tokencache", "events"), ("naive", "events"), ("tokencache", "threaded")]
 
@@ -467,5 +468,32 @@ def test_an_error_after_a_steps_allocation_frees_its_new_slots(
     with pytest.raises(OSError, match="scatter failed"):
         eng.generate(make_prompts(4, seed=65, shared=3), 10)
     table.scatter = real  # type: ignore[method-assign]
+    check_idle(eng)
+    check_exact(eng, pair, router)
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_an_error_in_a_continued_steps_deferred_tokens_frees_its_new_slots(
+    pair: Any, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With overlap a step continuing the one in flight takes its input tokens from that
+    step's draw (DeferredTokens), built after the new slots are allocated: an error there
+    fails the batch and gives them back, and the step in flight is not left pointing at a
+    step that never ran."""
+    router = BernoulliRouter(0.4, seed=7)
+    eng = RoutedEngine(*pair, router, 256, mode=mode)
+    assert eng.overlap
+    real, calls = batch_module.DeferredTokens, [0]
+
+    def deferred(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError("deferred tokens failed")
+        return real(*args)
+
+    monkeypatch.setattr(batch_module, "DeferredTokens", deferred)
+    with pytest.raises(OSError, match="deferred tokens failed"):
+        eng.generate(make_prompts(4, seed=66, shared=3), 10)
+    monkeypatch.setattr(batch_module, "DeferredTokens", real)
     check_idle(eng)
     check_exact(eng, pair, router)

@@ -427,9 +427,15 @@ def prepare_forward(
         positions = np.repeat(starts - q_off[:-1], q_lens) + np.arange(total, dtype=np.int64)
         token_rows = np.repeat(rows, q_lens)
     new_slots = side.alloc(total)
+    src: np.ndarray | None = None  # the continued rows' sources of their input tokens
     try:  # until a PreparedForward owns them, nothing else would give these slots back
         side.table.scatter(token_rows, positions, new_slots)
         host = HostBatch.from_table(side.table, rows, tokens, positions, new_slots, q_off, ends)
+        if after is not None and source is not None and dest is not None and len(dest):
+            assert after.drawn is not None, "the forward continued from was not launched"
+            src = source[dest]
+            tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
+            host.deferred = DeferredTokens(after.drawn.tokens, src, q_off[dest])
         facts = RowFacts.carried(batch, source, after)
         prep = PreparedForward(
             side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full, facts
@@ -437,14 +443,10 @@ def prepare_forward(
     except BaseException:
         side.free(new_slots)
         raise
-    if after is not None and source is not None and cont is not None and dest is not None:
-        if cont.any():
-            prep.after, prep.ahead = after, cont
-            after.successor = prep
-        if len(dest):
-            assert after.drawn is not None, "the forward continued from was not launched"
-            src = source[dest]
-            tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
-            host.deferred = DeferredTokens(after.drawn.tokens, src, q_off[dest])
-            prep.deferred_rows, prep.source = dest, src
+    # Linked to the forward it continues last: nothing from here on raises.
+    if after is not None and cont is not None and cont.any():
+        prep.after, prep.ahead = after, cont
+        after.successor = prep
+    if src is not None:
+        prep.deferred_rows, prep.source = dest, src
     return prep
