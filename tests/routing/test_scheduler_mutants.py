@@ -119,6 +119,27 @@ def test_a_release_that_raises_releases_the_other_model_and_ends_the_request_wit
     assert s.running == [] and s.stats.failed == 1
 
 
+def test_a_release_error_outranks_an_earlier_recorded_failure() -> None:
+    """finish: a request whose failure was recorded (a listener raised: r.failure) and whose
+    KV release then raises ends with the release's error, the one its end met (mutant 10 of
+    the tenth session's sample: `reason != "XXerrorXX"` put the recorded failure back)."""
+    s = scheduler()
+    r = request(0)
+    r.failure = ValueError("listener failed")
+    r.abort_requested = True
+    boom = OSError("release failed")
+    r.kv[0] = Handle(boom)
+    s.running = [r]
+    s.finish(r, "abort")
+    assert r.finished_reason == "error" and r.error is boom
+    q = request(1)  # without a release error, the recorded failure is its end
+    q.failure = failure = ValueError("listener failed")
+    s.running = [q]
+    s.finish(q, "abort")
+    assert q.finished_reason == "error" and q.error is failure
+    assert s.stats.failed == 2
+
+
 def test_an_aborted_request_that_fails_ends_with_its_error() -> None:
     """finish: a request whose abort was asked for and that then fails ends "error" with its
     error, not "abort" (mutant 18: `reason != "ERROR"` made it an abort)."""
