@@ -156,6 +156,10 @@ def test_an_aborted_request_that_fails_ends_with_its_error() -> None:
     s.finish(q, "length")
     assert q.finished_reason == "abort" and q.error is None
     assert (s.stats.failed, s.stats.aborted, s.stats.finished) == (1, 1, 2)
+    a = request(2)  # a second abort is counted too (tenth session's mutant 30: `aborted = 1`)
+    a.abort_requested = True
+    s.finish(a, "length")
+    assert (s.stats.failed, s.stats.aborted, s.stats.finished) == (1, 2, 3)
 
 
 def test_fail_re_raises_an_interrupt_once_the_whole_batch_ended() -> None:
