@@ -41,7 +41,6 @@ from .prefix_groups import (
     TILE_FIELDS,
     PrefixTables,
     max_tiles,
-    paying_groups,
     prefix_tables,
 )
 from .prefix_plan import PrefixShape
@@ -310,10 +309,9 @@ class DecodeGraphRunner:
         """The padded step's shared-prefix tables (HostBatch.prefix_groups' groups), None when
         no group pays. Built again only when the candidate groups, rows or offsets changed
         since the last step: steady decoding keeps them, and its tables repeat."""
-        candidates = hbp.candidate_groups()
-        key = (tuple(candidates), hbp.q_offsets.tobytes(), hbp.kv_starts.tobytes())
+        key = (tuple(hbp.candidate_groups()), hbp.q_offsets.tobytes(), hbp.kv_starts.tobytes())
         if key != self._tables_key:
-            groups = paying_groups(candidates, hbp.q_offsets, self.prefix_shape, hbp.is_decode)
+            groups = hbp.prefix_groups(self.prefix_shape)  # the candidates kept on hbp
             tables = None
             if groups:
                 tiles = max_tiles(self.prefix_shape, hbp.num_requests, len(groups))

@@ -483,15 +483,9 @@ def test_an_error_in_a_continued_steps_deferred_tokens_frees_its_new_slots(
     router = BernoulliRouter(0.4, seed=7)
     eng = RoutedEngine(*pair, router, 256, mode=mode)
     assert eng.overlap
-    real, calls = batch_module.DeferredTokens, [0]
-
-    def deferred(*args: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 3:
-            raise OSError("deferred tokens failed")
-        return real(*args)
-
-    monkeypatch.setattr(batch_module, "DeferredTokens", deferred)
+    real = batch_module.DeferredTokens
+    flaky = Flaky(real, lambda i: i == 2, OSError("deferred tokens failed"))
+    monkeypatch.setattr(batch_module, "DeferredTokens", flaky)
     with pytest.raises(OSError, match="deferred tokens failed"):
         eng.generate(make_prompts(4, seed=66, shared=3), 10)
     monkeypatch.setattr(batch_module, "DeferredTokens", real)

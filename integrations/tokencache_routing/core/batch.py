@@ -19,12 +19,18 @@ from .sampling import Decisions, Draw, draw, route
 from .state import Request
 
 
+def committed(q: Request, kind: int) -> int:
+    """How many of q's tokens have their KV committed in this model: its handle's length once
+    attached (chunked prefill: maybe part of its prompt; overlap: not what its step in flight
+    computes), else none."""
+    h = q.kv[kind] if q.kv else None
+    return h.length if h is not None and h.attached else 0
+
+
 def not_prefilled(q: Request, kind: int) -> bool:
     """Whether q's KV in this model is not committed up to its last token yet: its prefill
     (or a chunk of it) is still to run, or runs now. overlaps_prefill skips every other."""
-    h = q.kv[kind] if q.kv else None
-    done = h.length if h is not None and h.attached else 0
-    return done < q.n - 1
+    return committed(q, kind) < q.n - 1
 
 
 def overlaps_prefill(
@@ -38,14 +44,12 @@ def overlaps_prefill(
     whose prefill in this model has not run yet (or, chunked, not that far yet), or runs now
     (overlap: launched, not committed): admitted together, both would prefill it (the
     duplicate freed afterwards), so r waits and then matches the first one's KV in the tree
-    instead. cached(r): how much of r the tree already holds (asked only on an overlap)."""
+    instead. cached(r): how much of r the tree already holds (asked once at most, for the
+    first q not committed as far as the two could share)."""
     known = -1
     for q in running:
         m = min(r.n, q.n) - 1  # attach matches seq[:-1]
-        h = q.kv[kind] if q.kv else None
-        # Attached, q's KV is committed up to h.length (chunked prefill: maybe part of its
-        # prompt; overlap: not what its step in flight computes)
-        done = h.length if h is not None and h.attached else 0
+        done = committed(q, kind)
         if m < page_size or done >= m:
             continue
         if known < 0:
