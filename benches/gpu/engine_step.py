@@ -63,7 +63,14 @@ sys.path.insert(0, str(ROOT / "benches"))
 
 import torch  # noqa: E402
 
-from tokencache_models import PRESETS, CausalLM, HostBatch, ModelConfig, random_model  # noqa: E402
+from tokencache_models import (  # noqa: E402
+    PRESETS,
+    CausalLM,
+    Epilogue,
+    HostBatch,
+    ModelConfig,
+    random_model,
+)
 from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
 from tokencache_routing.core.sampling import Readback  # noqa: E402
 
@@ -87,17 +94,23 @@ def sync(device: torch.device) -> None:
 
 
 def runner_step(
-    model: CausalLM, hb: HostBatch, pool: Any, steps: int, device: torch.device
+    model: CausalLM,
+    hb: HostBatch,
+    pool: Any,
+    steps: int,
+    device: torch.device,
+    epilogue: Epilogue | None = None,
 ) -> tuple[float, float]:
     """The runner's own step over hb (its deferred input tokens dropped: the placeholders are
-    fed): median ms of prepare + execute, synchronised, and of the device work alone."""
+    fed) with the engine's epilogue (greedy tokens, entropy): median ms of prepare + execute,
+    synchronised, and of the device work alone."""
     hb = dataclasses.replace(hb, deferred=None)
-    model.forward(hb, pool)  # warm (the bucket's graph exists already)
+    model.execute(model.prepare(hb, pool, epilogue=epilogue))  # warm (its graph exists)
     wall, dev = [], []
     for _ in range(steps):
         sync(device)
         t0 = time.perf_counter()
-        step = model.prepare(hb, pool)
+        step = model.prepare(hb, pool, epilogue=epilogue)
         if device.type == "cuda":
             e0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             e1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -128,12 +141,14 @@ def engine_row(
     """One context's figures with overlap on or off (see the module docstring); the runner's
     step is measured here unless given (the same for both settings)."""
     last: list[HostBatch] = []
+    epilogues: list[Epilogue | None] = []  # the engine's: the runner's step computes it too
     prepare = model.prepare
 
-    def recording(hb: Any, pool: Any, backend: Any = None) -> Any:
+    def recording(hb: Any, pool: Any, backend: Any = None, epilogue: Any = None) -> Any:
         if isinstance(hb, HostBatch) and hb.num_real == batch:
             last[:] = [hb]
-        return prepare(hb, pool, backend)
+            epilogues[:] = [epilogue]
+        return prepare(hb, pool, backend, epilogue)
 
     model.prepare = recording  # type: ignore[method-assign,assignment]
     try:
@@ -153,6 +168,9 @@ def engine_row(
         handles = [eng.submit(shared + o, 2 * steps + 40) for o in own]  # none ends
         while any(len(h.tokens) < 4 for h in handles):  # prefills, graph captures, warm-up
             eng.iterate()
+            failed = [h for h in handles if h.done()]  # none ends: one that did, failed
+            if failed:
+                raise RuntimeError(f"a request ended in the warm-up: {failed[0].error!r}")
         st = eng.stats
         # The synchronised window: the measured clock's own accounting, step by step.
         start = st.copy()
@@ -197,7 +215,7 @@ def engine_row(
             s.sync_cuda = v
         both = st.since(start)
         if runner is None:
-            runner = runner_step(model, last[0], eng.small.pool, steps, device)
+            runner = runner_step(model, last[0], eng.small.pool, steps, device, epilogues[0])
         eng.shutdown()
     finally:
         model.prepare = prepare  # type: ignore[method-assign]

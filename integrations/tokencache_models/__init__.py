@@ -17,6 +17,7 @@ from .config import (
     UnsupportedConfigError,
 )
 from .context import DeferredTokens, ForwardContext, ForwardOutput, HostBatch, shared_prefix_len
+from .epilogue import Epilogue
 from .executor import ModelExecutor, PreparedStep
 from .graphs import DecodeGraphRunner
 from .kv_pool import KVPool, SlotAllocator
@@ -56,6 +57,7 @@ __all__ = [
     "CausalLM",
     "DecodeGraphRunner",
     "DeferredTokens",
+    "Epilogue",
     "ForwardBatch",
     "ForwardContext",
     "ForwardOutput",

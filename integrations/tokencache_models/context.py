@@ -338,6 +338,19 @@ class HostPlan:
 class ForwardOutput:
     logits: torch.Tensor  # [B, vocab] next-token logits after each request's last new token
     hidden: torch.Tensor  # [B, hidden] final-norm output of each request's last new token
+    # Set by an Epilogue (epilogue.py) when the forward was asked for one: each row's argmax
+    # over the epilogue's vocabulary ([B] int64) and its entropy ([B] float32), on the device.
+    greedy: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+    def rows(self, idx: torch.Tensor) -> ForwardOutput:
+        """The output of rows idx (a device index tensor), epilogue values included."""
+        return ForwardOutput(
+            logits=self.logits[idx],
+            hidden=self.hidden[idx.to(self.hidden.device)],
+            greedy=self.greedy[idx] if self.greedy is not None else None,
+            entropy=self.entropy[idx] if self.entropy is not None else None,
+        )
 
 
 @dataclass(frozen=True)

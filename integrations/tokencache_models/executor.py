@@ -36,6 +36,7 @@ from .context import (
     HostBatch,
     decode_bucket,
 )
+from .epilogue import Epilogue
 from .graphs import DecodeGraphRunner, ForwardBody, StaticStep
 from .kv_pool import KVPool
 from .prefix_plan import PrefixShape
@@ -78,6 +79,8 @@ class PreparedStep:
     context: ForwardContext | None = None
     static: StaticStep | None = None
     runner: DecodeGraphRunner | None = None
+    # What the forward computes from its logits on the device (greedy tokens, entropy)
+    epilogue: Epilogue | None = None
     # Tensor parallelism: what the engine's rank sends its workers when it runs this step.
     tp_payload: Any = None
 
@@ -152,10 +155,15 @@ class ModelExecutor:
         )
 
     def prepare(
-        self, batch: ForwardBatch | HostBatch, pool: KVPool, attention_backend: str | None = None
+        self,
+        batch: ForwardBatch | HostBatch,
+        pool: KVPool,
+        attention_backend: str | None = None,
+        epilogue: Epilogue | None = None,
     ) -> PreparedStep:
         """A forward's host work (lengths, padding, prefix tables, the one copy to the device):
-        what execute() then runs is device work only."""
+        what execute() then runs is device work only, the epilogue's included (in the
+        decode graph on the graph path)."""
         model = self.model
         backend = model.attention(attention_backend)
         hb = batch if isinstance(batch, HostBatch) else HostBatch.from_batch(batch)
@@ -167,19 +175,27 @@ class ModelExecutor:
                 "DeferredTokens are not supported on a tensor-parallel model: resolve the "
                 "tokens on the host (write them into token_ids) for its forwards"
             )
-        step = self._prepare(hb, pool, backend)
+        step = self._prepare(hb, pool, backend, epilogue)
         if model.tp is not None:  # after our own host work: its prefix groups travel too
             step = dataclasses.replace(step, tp_payload=model.tp.prepared(hb, pool, backend.name))
         return step
 
-    def _prepare(self, hb: HostBatch, pool: KVPool, backend: TorchPagedAttention) -> PreparedStep:
+    def _prepare(
+        self,
+        hb: HostBatch,
+        pool: KVPool,
+        backend: TorchPagedAttention,
+        epilogue: Epilogue | None = None,
+    ) -> PreparedStep:
         pad_to = None
         if hb.is_decode and self.pads_decode():
             pad_to = decode_bucket(hb.num_requests, self.decode_buckets)
             runner = self.graph_runner(pool, backend) if self.decode_graphs else None
             if runner is not None and pad_to is not None and runner.fits(hb):
-                return PreparedStep(pool, backend, static=runner.prepare(hb), runner=runner)
-        return PreparedStep(pool, backend, context=self.build_context(hb, pool, backend, pad_to))
+                static = runner.prepare(hb, epilogue)
+                return PreparedStep(pool, backend, static=static, runner=runner, epilogue=epilogue)
+        ctx = self.build_context(hb, pool, backend, pad_to)
+        return PreparedStep(pool, backend, context=ctx, epilogue=epilogue)
 
     def execute(self, step: PreparedStep) -> ForwardOutput:
         """A prepared forward's device work (graph replay or the eager body); under tensor
@@ -199,7 +215,8 @@ class ModelExecutor:
             assert step.static is not None
             return step.runner.execute(step.static)
         assert step.context is not None
-        return self.model.run(step.context, step.pool, step.backend)
+        out = self.model.run(step.context, step.pool, step.backend)
+        return step.epilogue.apply(out) if step.epilogue is not None else out
 
     @torch.inference_mode()
     def forward(

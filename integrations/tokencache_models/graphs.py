@@ -17,7 +17,6 @@ width = decode_kv_width(max kv length).
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from .context import (
     decode_kv_width,
     to_device,
 )
+from .epilogue import Epilogue
 from .prefix_groups import (
     MAX_PREFIX_GROUPS,
     TILE_FIELDS,
@@ -70,12 +70,16 @@ class ForwardBody(Protocol):
     ) -> ForwardOutput: ...
 
 
+# A decode graph's key: rows (bucket), gather width, prefix groups, slot source, epilogue.
+GraphKey = tuple[int, int, int, int, Epilogue | None]
+
+
 @dataclass(frozen=True)
 class StaticStep:
     """A decode step loaded into a runner's static buffers, ready to replay."""
 
     num_real: int
-    key: tuple[int, int, int, int]  # (rows, width, groups, slot source): the graph's key
+    key: GraphKey  # (rows, width, groups, slot source, epilogue): the graph's key
 
 
 class DecodeGraphRunner:
@@ -148,7 +152,7 @@ class DecodeGraphRunner:
         self._tables_key: tuple[Any, ...] | None = None
         self._tables: PrefixTables | None = None
         self._reset()
-        self._graphs: dict[tuple[int, int, int, int], tuple[Any, ForwardOutput]] = {}
+        self._graphs: dict[GraphKey, tuple[Any, ForwardOutput]] = {}
         self._table: SlotTable | None = None  # the slot table the table-keyed graphs read
         self._mempool: Any = None
         self.replays = 0  # decode steps served by a graph (tests and benches read it)
@@ -285,13 +289,14 @@ class DecodeGraphRunner:
                 hb.table.flat.index_copy_(0, flat, vals)
 
     @torch.inference_mode()
-    def run(self, hb: HostBatch) -> ForwardOutput:
+    def run(self, hb: HostBatch, epilogue: Epilogue | None = None) -> ForwardOutput:
         """One decode step of hb's requests through the padded static path (graph replay when
         use_graphs). Returns the real rows' outputs (copies, not the static buffers)."""
-        return self.execute(self.prepare(hb))
+        return self.execute(self.prepare(hb, epilogue))
 
-    def prepare(self, hb: HostBatch) -> StaticStep:
-        """The step's host work: padding, prefix tables, one copy into the static buffers."""
+    def prepare(self, hb: HostBatch, epilogue: Epilogue | None = None) -> StaticStep:
+        """The step's host work: padding, prefix tables, one copy into the static buffers.
+        The epilogue (greedy tokens, entropy) runs in the step's graph."""
         if not self.fits(hb):
             raise ValueError("decode batch does not fit the graph runner (see fits)")
         b = hb.num_requests
@@ -303,7 +308,7 @@ class DecodeGraphRunner:
         n = len(tables.groups) if tables is not None else 0
         source = self._slot_source(hb.table)
         self._load(hbp, tables)
-        return StaticStep(b, self._key(rows, width, n, source))
+        return StaticStep(b, self._key(rows, width, n, source, epilogue))
 
     def _prefix_tables(self, hbp: HostBatch) -> PrefixTables | None:
         """The padded step's shared-prefix tables (HostBatch.prefix_groups' groups), None when
@@ -324,58 +329,82 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def execute(self, step: StaticStep) -> ForwardOutput:
         """The step's device work: the graph's replay (or the static path run eagerly)."""
-        rows, width, n, source = step.key
         if self.use_graphs:
             graph, out = self._graphs.get(step.key) or self._capture(*step.key)
             graph.replay()
             self.replays += 1
         else:
-            out = self.model.run(
-                self.static_context(rows, width, n, source), self.pool, self.backend
-            )
+            out = self._body(*step.key)
         b = step.num_real
-        return dataclasses.replace(
-            out, logits=out.logits[:b].clone(), hidden=out.hidden[:b].clone()
+        return ForwardOutput(
+            logits=out.logits[:b].clone(),
+            hidden=out.hidden[:b].clone(),
+            greedy=out.greedy[:b].clone() if out.greedy is not None else None,
+            entropy=out.entropy[:b].clone() if out.entropy is not None else None,
         )
 
+    def _body(
+        self, rows: int, width: int, groups: int, source: int, epilogue: Epilogue | None
+    ) -> ForwardOutput:
+        """The static path's device work, what a graph captures: the forward over the static
+        buffers, then the epilogue on its logits."""
+        ctx = self.static_context(rows, width, groups, source)
+        out = self.model.run(ctx, self.pool, self.backend)
+        return epilogue.apply(out) if epilogue is not None else out
+
     def _key(
-        self, rows: int, width: int, groups: int = 0, source: int = 0
-    ) -> tuple[int, int, int, int]:
+        self,
+        rows: int,
+        width: int,
+        groups: int = 0,
+        source: int = 0,
+        epilogue: Epilogue | None = None,
+    ) -> GraphKey:
         """A graph per bucket, per gather width on the torch path, per prefix group count
         (0: without the shared-prefix kernel, so a batch without a shared prefix does not pay
         for it; g: a tile table for g groups, so one group does not pay for eight), per slot
-        buffer (_slot_source)."""
-        return (rows, width if self.width_keyed else 0, groups, source)
+        buffer (_slot_source), per epilogue."""
+        return (rows, width if self.width_keyed else 0, groups, source, epilogue)
 
     def _capture(
-        self, rows: int, width: int, groups: int = 0, source: int = 0
+        self,
+        rows: int,
+        width: int,
+        groups: int = 0,
+        source: int = 0,
+        epilogue: Epilogue | None = None,
     ) -> tuple[Any, ForwardOutput]:
         """Warm-up run (Triton compiles, cuBLAS plans) on a side stream, then the capture. Both
         run on whatever the buffers hold: the current step or padding rows, so the only K/V
         writes are the ones the replay makes anyway."""
-        model, pool, backend = self.model, self.pool, self.backend
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
-        ctx_args = (rows, width, groups, source)  # the prefix tables are in their buffers
+        key = (rows, width, groups, source, epilogue)  # the prefix tables are in their buffers
         with torch.cuda.stream(stream):
-            model.run(self.static_context(*ctx_args), pool, backend)
+            self._body(*key)
         torch.cuda.current_stream().wait_stream(stream)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the routing engine's threaded mode runs the other model meanwhile.
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            out = model.run(self.static_context(*ctx_args), pool, backend)
+            out = self._body(*key)
         entry = (graph, out)
-        self._graphs[self._key(rows, width, groups, source)] = entry
+        self._graphs[self._key(*key)] = entry
         return entry
 
     @torch.inference_mode()
-    def capture_all(self, widths: Sequence[int] = (KV_CHUNK,), max_groups: int = 1) -> int:
+    def capture_all(
+        self,
+        widths: Sequence[int] = (KV_CHUNK,),
+        max_groups: int = 1,
+        epilogue: Epilogue | None = None,
+    ) -> int:
         """Captures every bucket (largest first, so smaller graphs reuse its pool memory); the
         torch path once per given gather width; without the shared-prefix kernel and, when the
         backend has one, with it for 1..max_groups groups (more groups are captured on first
-        use). Returns the number of graphs held."""
+        use); each with the given epilogue (the one the steps will ask for). Returns the
+        number of graphs held."""
         if not self.use_graphs:
             raise ValueError("capture_all needs use_graphs")
         self._reset()
@@ -385,6 +414,6 @@ class DecodeGraphRunner:
                 for rows in reversed(self.buckets):
                     if rows < 2 * groups:
                         continue  # a group holds two rows at least
-                    if self._key(rows, w, groups) not in self._graphs:
-                        self._capture(rows, w, groups)
+                    if self._key(rows, w, groups, 0, epilogue) not in self._graphs:
+                        self._capture(rows, w, groups, 0, epilogue)
         return len(self._graphs)

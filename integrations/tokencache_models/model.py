@@ -16,6 +16,7 @@ from .attention import AttnTables, TorchPagedAttention, make_attention_backend, 
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .context import ForwardContext, ForwardOutput, HostBatch
+from .epilogue import Epilogue
 from .executor import ModelExecutor, PreparedStep, TPHooks
 from .kv_pool import KVPool
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
@@ -234,10 +235,14 @@ class CausalLM(nn.Module):
         return self.executor.forward(batch, pool, attention_backend, context)
 
     def prepare(
-        self, batch: ForwardBatch | HostBatch, pool: KVPool, attention_backend: str | None = None
+        self,
+        batch: ForwardBatch | HostBatch,
+        pool: KVPool,
+        attention_backend: str | None = None,
+        epilogue: Epilogue | None = None,
     ) -> PreparedStep:
         """A forward's host work (ModelExecutor.prepare)."""
-        return self.executor.prepare(batch, pool, attention_backend)
+        return self.executor.prepare(batch, pool, attention_backend, epilogue)
 
     def execute(self, step: PreparedStep) -> ForwardOutput:
         """A prepared forward's device work (ModelExecutor.execute)."""

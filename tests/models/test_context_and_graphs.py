@@ -359,7 +359,7 @@ def test_prefix_tables_kept_between_steps_equal_fresh_ones() -> None:
         hits += kept._tables is before and before is not None
         loads += a.key[2] > 0  # steps that read a shared prefix
         # What the step's forward reads: every buffer view of its static context.
-        ca, cb = kept.static_context(*a.key), fresh.static_context(*b.key)
+        ca, cb = kept.static_context(*a.key[:4]), fresh.static_context(*b.key[:4])
         for name in ("token_ids", "positions", "out_slots", "kv_starts", "kv_lens"):
             assert torch.equal(getattr(ca, name), getattr(cb, name)), name
         assert (ca.prefix is None) == (cb.prefix is None)

@@ -199,12 +199,13 @@ class PreparedForward:
     def num_tokens(self) -> int:
         return int(self.q_off[-1])
 
-    def run(self) -> tuple[ForwardOutput, float]:
+    def run(self, router: Router | None = None) -> tuple[ForwardOutput, float]:
         """The forward; returns its output and its device time (on CUDA synchronised, so the
         GPU time and not the launch time). The runner's host preparation before it is host
-        time of the step, like the scheduling around it."""
+        time of the step, like the scheduling around it. Its epilogue computes each row's
+        greedy token and what of the router's features the device can (device work)."""
         model, timer = self.side.model, self.side.timer
-        step = model.prepare(self.host, self.side.pool)
+        step = model.prepare(self.host, self.side.pool, epilogue=self.side.epilogue(router))
         t1, w1 = timer(), time.perf_counter()
         out = model.execute(step)
         self.side.sync()
@@ -219,9 +220,9 @@ class PreparedForward:
         router's answers for the rows whose last chunk ran, all enqueued on the device before
         anything else is, their copies to the host under way (read when the step is finished,
         waiting for this step only); returns the forward's device time as run()."""
-        out, dt = self.run()
+        out, dt = self.run(router)
         self.out = out
-        self.drawn = draw(out.logits, self.batch, self.kv_lens, self.facts.sampled)
+        self.drawn = draw(out.logits, self.batch, self.kv_lens, self.facts.sampled, out.greedy)
         if router is not None:
             rows, sel = self.complete(out)
             tokens, index, facts = self.drawn.tokens, self.kv_lens, self.facts
@@ -247,8 +248,7 @@ class PreparedForward:
         if not self.incomplete.any():
             return self.batch, out
         rows = np.flatnonzero(~self.incomplete)
-        idx = torch.from_numpy(rows).to(out.logits.device)
-        sel = ForwardOutput(logits=out.logits[idx], hidden=out.hidden[idx.to(out.hidden.device)])
+        sel = out.rows(torch.from_numpy(rows).to(out.logits.device))
         return [self.batch[i] for i in rows], sel
 
     def commit(self, live: list[bool] | None = None) -> None:

@@ -13,14 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
 
 import tokencache
-from tokencache_models import CausalLM, KVPool
+from tokencache_models import CausalLM, Epilogue, KVPool
 from tokencache_models.tp_worker import make_slot_table
+
+if TYPE_CHECKING:
+    from .routers import Router
 
 # A side's slot table starts this size and doubles (rows, and columns up to the pool's size).
 TABLE_ROWS = 64
@@ -52,6 +55,7 @@ class ModelSide:
         )
         # The ids sampled and routed over (the engine's: both models' shared vocabulary).
         self.vocab_size = model.config.vocab_size
+        self._epilogues: dict[tuple[int, bool], Epilogue] = {}
         self.bookkeeping_s = 0.0
         # The same time by tree operation (match, lock, insert, unlock, extend, release,
         # evict): the published per-step breakdown is in these terms.
@@ -62,6 +66,16 @@ class ModelSide:
         # The GPU clock charges bookkeeping as host time: measured as this thread's CPU time,
         # so other processes on a shared machine do not inflate it.
         self.timer: Callable[[], float] = time.perf_counter
+
+    def epilogue(self, router: Router | None = None) -> Epilogue:
+        """What this side's forwards compute from their logits on the device: each row's
+        greedy token over the shared vocabulary, and the entropy when the router reads it."""
+        entropy = router is not None and "entropy" in router.device_features
+        key = (self.vocab_size, entropy)
+        e = self._epilogues.get(key)
+        if e is None:
+            e = self._epilogues[key] = Epilogue(self.vocab_size, entropy)
+        return e
 
     def sync(self) -> None:
         if self.sync_cuda:

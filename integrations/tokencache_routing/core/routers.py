@@ -34,9 +34,13 @@ class RouterFeatures:
 
     @property
     def entropy(self) -> torch.Tensor:
-        """Shannon entropy in nats, [B]."""
-        lp = self.log_probs
-        return -(lp.exp() * lp).sum(-1)
+        """Shannon entropy in nats, [B] (the forward's epilogue may have computed it: the same
+        operations, tokencache_models.Epilogue)."""
+        if "entropy" not in self._cache:
+            lp = self.log_probs
+            self._cache["entropy"] = -(lp.exp() * lp).sum(-1)
+        h: torch.Tensor = self._cache["entropy"]
+        return h
 
     @property
     def top1_prob(self) -> torch.Tensor:
@@ -48,7 +52,13 @@ class RouterFeatures:
 
 
 class Router:
-    """route(features) -> [B] bool, True = escalate this token to the large model."""
+    """route(features) -> [B] bool, True = escalate this token to the large model.
+
+    device_features: the RouterFeatures a router reads that the forward can compute on the
+    device, in its epilogue (tokencache_models.Epilogue: "entropy"), so the host does not
+    launch them after each step."""
+
+    device_features: frozenset[str] = frozenset()
 
     def route(self, f: RouterFeatures) -> torch.Tensor:
         raise NotImplementedError
@@ -56,6 +66,8 @@ class Router:
 
 class EntropyRouter(Router):
     """Escalate when the small model's entropy is at or above a threshold (R2R baseline 0.45)."""
+
+    device_features = frozenset({"entropy"})
 
     def __init__(self, threshold: float = 0.45) -> None:
         self.threshold = threshold

@@ -134,16 +134,19 @@ def draw(
     batch: Sequence[Request],
     index: np.ndarray,
     sampled: np.ndarray | None = None,
+    greedy: torch.Tensor | None = None,
 ) -> Draw:
     """Next token per row, as device work: argmax for greedy requests, else a draw from
     softmax((l - max) / T) in the top_p nucleus with uniform(seed, index[i]), index[i] being
     the place of row i's token in its request's sequence. sampled: which rows are not greedy,
-    when the caller knows (RowFacts), else read from each request."""
-    tok = logits.argmax(-1)
+    when the caller knows (RowFacts), else read from each request. greedy: the argmax when the
+    forward's epilogue computed it (ForwardOutput.greedy), else computed here."""
     if sampled is None:
         rows = [i for i, r in enumerate(batch) if not r.sampling.greedy]
     else:
         rows = np.flatnonzero(sampled).tolist()
+    # The sampled rows are written below: into a copy of the forward's greedy tokens.
+    tok = logits.argmax(-1) if greedy is None else greedy.clone() if rows else greedy
     if not rows:
         return Draw(tok, [], {})
     seeds, rows, failed = _seeds(batch, rows)
@@ -243,4 +246,6 @@ def route(
         positions=torch.from_numpy(np.asarray(index, np.int64) - prompt_len),
         rids=torch.from_numpy(np.array(route_key, np.int64)),  # a copy: routers may keep it
     )
+    if out.entropy is not None:  # computed by the forward's epilogue
+        feats._cache["entropy"] = out.entropy
     return Decisions(router.route(feats), len(batch))

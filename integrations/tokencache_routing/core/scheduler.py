@@ -573,7 +573,9 @@ class Scheduler:
             rows = np.flatnonzero(~prep.incomplete).tolist()
             drawn = prep.drawn
             if drawn is None:  # run() rather than launch(): drawn here
-                drawn = prep.drawn = draw(out.logits, prep.batch, prep.kv_lens, prep.facts.sampled)
+                drawn = prep.drawn = draw(
+                    out.logits, prep.batch, prep.kv_lens, prep.facts.sampled, out.greedy
+                )
             decided = prep.decided
             if decided is None:
                 index = prep.kv_lens[~prep.incomplete]
@@ -661,7 +663,9 @@ class Scheduler:
             prep.commit()
             self.parked[:0] = self._partial(prep)
             if prep.drawn is None:  # run() rather than launch(): drawn here
-                prep.drawn = draw(out.logits, prep.batch, prep.kv_lens, prep.facts.sampled)
+                prep.drawn = draw(
+                    out.logits, prep.batch, prep.kv_lens, prep.facts.sampled, out.greedy
+                )
             tokens, failed = prep.drawn.resolve(prep.batch)
         except BaseException as e:
             self.abandon(prep, e)

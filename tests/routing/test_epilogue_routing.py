@@ -1,0 +1,59 @@
+"""The small model's forward computes its greedy tokens and the entropy router's feature in its
+epilogue (device work, tokencache_models.Epilogue): every token and every escalation is the
+same as when the host computes them after the forward, on both drivers, overlap on and off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from routing_helpers import check_idle, make_prompts
+
+from tokencache_models import Epilogue
+from tokencache_routing import EntropyRouter, RoutedEngine, SamplingParams, SchedulerConfig
+from tokencache_routing.core.kv import ModelSide
+
+SAMPLING = [None, SamplingParams(0.9, seed=5), None, SamplingParams(1.2, 0.8, seed=6)]
+
+
+def _generate(pair: Any, mode: str, overlap: bool) -> tuple[RoutedEngine, list[Any]]:
+    prompts = make_prompts(8, seed=81, shared=7, lo=2, hi=6)
+    eng = RoutedEngine(
+        *pair,
+        EntropyRouter(3.5),
+        num_slots=1024,
+        mode=mode,
+        overlap=overlap,
+        scheduler=SchedulerConfig(max_running=5, min_large_batch=2, max_wait_steps=2),
+    )
+    handles = [eng.submit(p, 12, sampling=SAMPLING[i % 4]) for i, p in enumerate(prompts)]
+    assert all(h.wait(120) for h in handles)
+    eng.shutdown()
+    check_idle(eng)
+    return eng, handles
+
+
+@pytest.mark.parametrize("mode,overlap", [("events", True), ("events", False), ("threaded", True)])
+def test_the_epilogue_changes_no_token_and_no_decision(
+    pair: Any, monkeypatch: pytest.MonkeyPatch, mode: str, overlap: bool
+) -> None:
+    applied: list[Epilogue] = []
+    apply = Epilogue.apply
+
+    def spy(self: Epilogue, out: Any) -> Any:
+        applied.append(self)
+        return apply(self, out)
+
+    monkeypatch.setattr(Epilogue, "apply", spy)
+    on, with_epilogue = _generate(pair, mode, overlap)
+    # The small model's launched steps computed the entropy on the device, the large one's not.
+    assert any(e.entropy for e in applied) and not all(e.entropy for e in applied)
+    assert all(e.vocab == on.vocab_size for e in applied)
+
+    applied.clear()  # the host computes greedy tokens and entropy after each forward
+    monkeypatch.setattr(ModelSide, "epilogue", lambda self, router=None: None)
+    off, on_the_host = _generate(pair, mode, overlap)
+    assert not applied
+    for a, b in zip(with_epilogue, on_the_host, strict=True):
+        assert (a.tokens, a.models, a.finished_reason) == (b.tokens, b.models, b.finished_reason)
+    assert on.stats.escalations == off.stats.escalations > 0  # the router really decided
