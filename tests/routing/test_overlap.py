@@ -173,6 +173,26 @@ def test_the_clock_charges_only_the_host_time_the_device_waits_for(pair: Any) ->
     assert overlapped.modeled_s >= overlapped.small_host_s
 
 
+@pytest.mark.parametrize("topology", ["one-device", "two-devices"])
+def test_waiting_for_a_catch_up_is_not_waiting_for_the_host(pair: Any, topology: str) -> None:
+    """The GPU-idle figure is the time the small model's device waits for the host: never
+    more than the host worked. Time with nothing to run (every request away at a catch-up on
+    the other device, here every token escalates) is the small model's idle time, not that."""
+    eng = RoutedEngine(
+        *pair,
+        ScriptedRouter(every=True),
+        2048,
+        clock=GpuClock(profile="h200-roofline"),
+        scheduler=SchedulerConfig(max_running=4, min_large_batch=4),
+        topology=topology,
+    )
+    eng.generate(make_prompts(4, seed=77, shared=20), 10)
+    st = eng.stats
+    assert st.escalations >= 30 and st.small_idle_s > 0  # it did wait for catch-ups
+    assert st.device_idle_s <= st.host_s
+    check_idle(eng)
+
+
 def test_overlap_needs_the_tokencache_dispatch(pair: Any) -> None:
     with pytest.raises(ValueError, match="overlap=True needs dispatch='tokencache'"):
         RoutedEngine(*pair, EntropyRouter(1.0), 256, dispatch="naive", overlap=True)

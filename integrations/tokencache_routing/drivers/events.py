@@ -73,7 +73,7 @@ class EventLoop:
             s.admit(not_after=self.t_small)
             if s.waiting and not s.running and not s.busy:
                 # Nothing to step until the next request arrives: the small model waits.
-                self.t_small = max(self.t_small, s.waiting[0].submitted_at)
+                self._nothing_to_run_until(s.waiting[0].submitted_at)
                 self._rejoin()
                 s.admit(not_after=self.t_small)
         if not s.has_work():
@@ -113,6 +113,13 @@ class EventLoop:
                 self.t_small += charge
                 if not self.eng.overlap:  # serially the device waits for it (with overlap,
                     st.device_idle_s += charge  # _start_on_device finds what it waits for)
+
+    def _nothing_to_run_until(self, t: float) -> None:
+        """The small model has no work before engine time t (the next arrival, a catch-up's
+        return): its clock moves there, and so does its device queue, so that this wait is
+        not counted as the device waiting for the host (Stats.device_idle_s)."""
+        self.t_small = max(self.t_small, t)
+        self.dev_free = max(self.dev_free, self.t_small)
 
     def _rejoin(self) -> None:
         """Two devices: a catch-up's requests rejoin once the small clock reaches its end."""
@@ -346,7 +353,7 @@ class EventLoop:
         self.t_large = max(self.t_large, self.t_small)
         if nxt is None and not s.running and s.inflight:  # idle until the catch-up is back
             st.small_idle_s += max(0.0, self.done_at - self.t_small)
-            self.t_small = max(self.t_small, self.done_at)
+            self._nothing_to_run_until(self.done_at)
 
     def _launch_large_timed(self) -> Launched | None:
         """A catch-up on the large model: on one device it queues behind the small steps;
