@@ -84,7 +84,7 @@ def test_reasoning_concurrency_sweep(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "decode tok/s against concurrency" in out
     sweep = [x for x in out.splitlines() if x.startswith(("| 1 |", "| 4 |"))]
     assert len(sweep) == 4  # a row per concurrency in the tok/s and the latency tables
-    assert "TTFT p50 / TPOT p50 / TPOT p99" in out
+    assert "TTFT p50 / TPOT p50 / TPOT p99 / ITL p99" in out
     assert "paper ms" in out  # the breakdown beside the published profile
     rows = _rows(tmp_path)
     ran = {r["system"] for r in rows}
@@ -192,3 +192,28 @@ def test_from_json_merges_runs(capsys: pytest.CaptureFixture[str], tmp_path: Pat
         assert sorted(r["system"] for r in mine) == sorted(
             ["small alone", "large alone", "naive", "tokencache", "ceiling", "ideal"]
         )
+
+
+def test_tpot_is_per_request_and_itl_per_token(tmp_path: Path) -> None:
+    """TPOT as the serving benchmarks define it (per request: (last - first) / (n - 1), its
+    percentiles over requests) beside ITL (every gap between two tokens); every row of an older
+    run, whose "tpot" columns were the gaps, loads with them as ITL and its TPOT unknown."""
+    args = ["--quick", "--workload", "reasoning", "--max-new", "16", "--no-bounds"]
+    bench.main([*args, "--dispatches", "tokencache", "--profile", "h200-roofline",
+                "--out", str(tmp_path / "new")])  # fmt: skip
+    (row,) = _rows(tmp_path / "new")
+    assert (
+        0 < row["itl_p50_ms"] <= row["itl_p99_ms"] and 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
+    )
+    assert row["tpot_p50_ms"] != row["itl_p50_ms"]  # two different figures
+    old = dict(row)
+    old["tpot_p50_ms"], old["tpot_p99_ms"] = old.pop("itl_p50_ms"), old.pop("itl_p99_ms")
+    old["extra"] = {f"tpot_small_{k[len('itl_small_'):]}" if k.startswith("itl_small_") else k: v
+                    for k, v in row["extra"].items()}  # fmt: skip
+    data = json.loads((tmp_path / "new" / "bench.json").read_text())
+    data["rows"] = [old]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    (loaded,), _ = bench.load_rows([str(tmp_path / "old.json")])
+    assert (loaded.itl_p50_ms, loaded.itl_p99_ms) == (row["itl_p50_ms"], row["itl_p99_ms"])
+    assert math.isnan(loaded.tpot_p50_ms) and math.isnan(loaded.tpot_p99_ms)
+    assert loaded.extra["itl_small_p99_ms"] == row["extra"]["itl_small_p99_ms"]

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -86,8 +87,10 @@ class Row:
     seconds: float  # engine clock
     tokens_per_s: float
     ttft_p50_ms: float
-    tpot_p50_ms: float
-    tpot_p99_ms: float
+    # Inter-token latency: the gaps between consecutive tokens of a request, over all tokens
+    # (what this table called "TPOT" before 2026-12-02).
+    itl_p50_ms: float
+    itl_p99_ms: float
     occupancy: float
     small_steps: int
     catchups: int
@@ -106,6 +109,11 @@ class Row:
     # with it) over idle + busy. Event-loop rows only (0 for threaded ones).
     host_ms_per_small_step: float = 0.0
     gpu_idle_share: float = 0.0
+    # Time per output token as vLLM's and SGLang's serving benchmarks define it: per request,
+    # (last token's time - first token's) / (tokens - 1), its percentiles over requests
+    # (NaN in rows of older runs, which kept only the gaps).
+    tpot_p50_ms: float = math.nan
+    tpot_p99_ms: float = math.nan
 
 
 def point(r: Row) -> tuple[str, int, int, int]:
@@ -298,6 +306,7 @@ def run(
     ttft = [h.token_times[0] - h.submitted_at for h in handles if h.token_times]
     times = [h.token_times for h in handles]
     gaps = [b - a_ for ts in times for a_, b in itertools.pairwise(ts)]
+    tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1]
     gpu = eng.gpu_clock
     # The catch-ups priced as the clock priced them (their groups' shared prefixes read once
     # when the clock's runner does that); and the least any schedule pays for the large model's
@@ -312,17 +321,18 @@ def run(
     extra: dict[str, Any] = {"topology": eng.topology, "system_prompts": len(systems)}
     extra["chunked_prefill"] = [sched.token_budget(0), sched.token_budget(1)]
     extra["prefill_chunks"] = st.prefill_chunks
-    # The gaps before the small model's tokens: what other requests' prefills and catch-ups
-    # cost a decoding request, without its own escalations' waits (the large model's tokens).
+    # The gaps before the small model's tokens (their ITL): what other requests' prefills and
+    # catch-ups cost a decoding request, without its own escalations' waits (the large
+    # model's tokens).
     small_gaps = [
         b - a_
         for h in handles
         for (a_, b), m in zip(itertools.pairwise(h.token_times), h.models[1:], strict=True)
         if m == 0
     ]
-    extra["tpot_small_p50_ms"] = 1e3 * percentile(small_gaps, 0.5)
-    extra["tpot_small_p99_ms"] = 1e3 * percentile(small_gaps, 0.99)
-    extra["tpot_small_max_ms"] = 1e3 * max(small_gaps, default=float("nan"))
+    extra["itl_small_p50_ms"] = 1e3 * percentile(small_gaps, 0.5)
+    extra["itl_small_p99_ms"] = 1e3 * percentile(small_gaps, 0.99)
+    extra["itl_small_max_ms"] = 1e3 * max(small_gaps, default=float("nan"))
     extra["host_charge"] = getattr(eng, "host_charge", "trees")
     extra["overlap"] = bool(getattr(eng, "overlap", False))
     large_s, floor = st.large_forward_s, 0.0
@@ -363,8 +373,10 @@ def run(
         seconds=seconds,
         tokens_per_s=st.tokens / seconds if seconds else 0.0,
         ttft_p50_ms=1e3 * percentile(ttft, 0.5),
-        tpot_p50_ms=1e3 * percentile(gaps, 0.5),
-        tpot_p99_ms=1e3 * percentile(gaps, 0.99),
+        itl_p50_ms=1e3 * percentile(gaps, 0.5),
+        itl_p99_ms=1e3 * percentile(gaps, 0.99),
+        tpot_p50_ms=1e3 * percentile(tpot, 0.5),
+        tpot_p99_ms=1e3 * percentile(tpot, 0.99),
         occupancy=st.small_batch_occupancy,
         small_steps=st.steps,
         catchups=len(sizes),
@@ -396,8 +408,9 @@ def _progress(total: int, desc: str, a: argparse.Namespace) -> Any:
 
 
 HEADER = (
-    "| L | p | system | tok/s | x naive | TTFT p50 ms | TPOT p50 ms | TPOT p99 ms | occupancy | "
-    "small steps | catch-ups | mean catch-up | bookkeeping | host ms / small step | GPU idle |\n"
+    "| L | p | system | tok/s | x naive | TTFT p50 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | "
+    "occupancy | small steps | catch-ups | mean catch-up | bookkeeping | host ms / small step | "
+    "GPU idle |\n"
     "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
@@ -413,7 +426,8 @@ def table(rows: list[Row]) -> str:
         p = "-" if r.system in BOUNDS else f"{r.p:.2f}"
         out.append(
             f"| {r.context} | {p} | {r.system} | {r.tokens_per_s:.0f} | {x} | "
-            f"{r.ttft_p50_ms:.1f} | {r.tpot_p50_ms:.1f} | {r.tpot_p99_ms:.1f} | "
+            f"{r.ttft_p50_ms:.1f} | {r.tpot_p50_ms:.1f} / {r.tpot_p99_ms:.1f} | "
+            f"{r.itl_p50_ms:.1f} / {r.itl_p99_ms:.1f} | "
             f"{100 * r.occupancy:.0f}% | {r.small_steps} | {r.catchups} | "
             f"{r.mean_catchup_batch:.1f} | {100 * r.bookkeeping_share:.2f}% | "
             f"{r.host_ms_per_small_step:.3f} | {100 * r.gpu_idle_share:.0f}% |"
@@ -768,6 +782,20 @@ def measure(a: argparse.Namespace, out: Path) -> tuple[list[Row], dict[str, Any]
     return rows, args
 
 
+def _renamed(r: dict[str, Any]) -> dict[str, Any]:
+    """A row of a run before 2026-12-02, whose "tpot" figures were the per-token gaps (ITL),
+    in today's names (its per-request TPOT unknown: NaN)."""
+    if "itl_p50_ms" in r:
+        return r
+    r = dict(r)
+    r["itl_p50_ms"], r["itl_p99_ms"] = r.pop("tpot_p50_ms"), r.pop("tpot_p99_ms")
+    extra = r["extra"] = dict(r.get("extra", {}))
+    for q in ("p50", "p99", "max"):
+        if f"tpot_small_{q}_ms" in extra:
+            extra[f"itl_small_{q}_ms"] = extra.pop(f"tpot_small_{q}_ms")
+    return r
+
+
 def load_rows(paths: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
     """Rows of earlier runs' bench.json files (merged: say, one run per output length), and
     the first file's arguments with each workload and concurrency of them all."""
@@ -775,7 +803,7 @@ def load_rows(paths: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
     args: dict[str, Any] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
-        rows += [Row(**r) for r in data["rows"] if r["system"] not in LIMITS]
+        rows += [Row(**_renamed(r)) for r in data["rows"] if r["system"] not in LIMITS]
         mine = data["args"]
         if not args:
             args = dict(mine)
@@ -817,16 +845,16 @@ def report(rows: list[Row], args: dict[str, Any]) -> None:
         print()
         print(table([r for r in rows if (r.workload, r.max_running) == (wl, c)]))
         chunked = [r for r in rows if (r.workload, r.max_running) == (wl, c)]
-        chunked = [r for r in chunked if "tpot_small_p99_ms" in r.extra]
+        chunked = [r for r in chunked if "itl_small_p99_ms" in r.extra]
         if chunked:
-            print("\nTPOT of the small model's tokens (the gaps escalations' own waits leave out):")
+            print("\nITL of the small model's tokens (the gaps escalations' own waits leave out):")
             for r in chunked:
                 e = r.extra
                 print(
                     f"  {r.system} p={r.p:.2f} (budget {e['chunked_prefill'][0]} / "
                     f"{e['chunked_prefill'][1]}, {e['prefill_chunks']} chunked rows): "
-                    f"p50 {e['tpot_small_p50_ms']:.2f} ms, p99 {e['tpot_small_p99_ms']:.2f} ms, "
-                    f"max {e.get('tpot_small_max_ms', float('nan')):.1f} ms"
+                    f"p50 {e['itl_small_p50_ms']:.2f} ms, p99 {e['itl_small_p99_ms']:.2f} ms, "
+                    f"max {e.get('itl_small_max_ms', float('nan')):.1f} ms"
                 )
     if len(cs) > 1:
         print(sweep_table(rows))

@@ -284,9 +284,10 @@ def sweep_table(rows: Sequence[Any]) -> str:
         out.append(f"\n{wl}, {new} new tokens, p = {p:.2f}: decode tok/s against concurrency\n")
         out.append(
             "| c | small alone | large alone | naive | naive-sglang | tokencache | tc / naive | "
-            "tc / naive-sglang | tc / large alone | tc TTFT p50 ms | tc TPOT p50 / p99 ms |"
+            "tc / naive-sglang | tc / large alone | tc TTFT p50 ms | tc TPOT p50 / p99 ms | "
+            "tc ITL p50 / p99 ms |"
         )
-        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for c in cs:
             bounds = _by(rows, workload=wl, max_new=new, max_running=c, p=0.0)
             by = _by(rows, workload=wl, max_new=new, max_running=c, p=p) | {
@@ -296,11 +297,12 @@ def sweep_table(rows: Sequence[Any]) -> str:
             tc = by.get("tokencache")
             lat = "-" if tc is None else f"{tc.ttft_p50_ms:.1f}"
             tpot = "-" if tc is None else f"{tc.tpot_p50_ms:.2f} / {tc.tpot_p99_ms:.1f}"
+            itl = "-" if tc is None else f"{tc.itl_p50_ms:.2f} / {tc.itl_p99_ms:.1f}"
             ratios = [_ratio(tc, by.get(s)) for s in ("naive", "naive-sglang", "large alone")]
-            out.append(f"| {c} | " + " | ".join([*cells, *ratios, lat, tpot]) + " |")
+            out.append(f"| {c} | " + " | ".join([*cells, *ratios, lat, tpot, itl]) + " |")
         out.append(
-            f"\n{wl}, {new} new tokens, p = {p:.2f}: TTFT p50 / TPOT p50 / TPOT p99 (ms, engine "
-            "clock) against concurrency\n"
+            f"\n{wl}, {new} new tokens, p = {p:.2f}: TTFT p50 / TPOT p50 / TPOT p99 / ITL p99 (ms, "
+            "engine clock) against concurrency\n"
         )
         out.append("| c | " + " | ".join(SWEEP_SYSTEMS) + " |")
         out.append("|---:|" + "---:|" * len(SWEEP_SYSTEMS))
@@ -312,6 +314,7 @@ def sweep_table(rows: Sequence[Any]) -> str:
             }
             cells = [
                 f"{by[s].ttft_p50_ms:.1f} / {by[s].tpot_p50_ms:.2f} / {by[s].tpot_p99_ms:.1f}"
+                f" / {by[s].itl_p99_ms:.1f}"
                 if s in by
                 else "-"
                 for s in SWEEP_SYSTEMS
