@@ -253,7 +253,8 @@ class HostBatch:
         found = self.memo.get("groups")
         if found is None:
             n = self.num_real
-            caps = self.kv_lens[:n] - self.q_lens[:n]
+            # decode: one new token a row (no q_lens to derive)
+            caps = self.kv_lens[:n] - (1 if self.is_decode else self.q_lens[:n])
             if self.table is not None and self.rows is not None:
                 found = self.table.prefix_groups(self.rows[:n], caps)
             else:

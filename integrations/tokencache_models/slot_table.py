@@ -266,9 +266,12 @@ class SlotTable:
         if n < 2:
             return []
         min_len = max(min_len, 1)
-        eff = np.zeros(n, np.int64)
-        long = np.flatnonzero(caps >= min_len)
-        eff[long] = np.minimum(self._update_shared(rows[long], caps[long]), caps[long])
+        if int(caps.min()) >= min_len:  # every row long enough (decoding): no selection
+            eff = np.minimum(self._update_shared(rows, caps), caps)
+        else:
+            eff = np.zeros(n, np.int64)
+            long = np.flatnonzero(caps >= min_len)
+            eff[long] = np.minimum(self._update_shared(rows[long], caps[long]), caps[long])
         eligible = np.flatnonzero(eff >= min_len)
         if len(eligible) < 2:
             return []
