@@ -14,6 +14,7 @@ from routing_helpers import check_exact, check_idle, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, SamplingParams, ScriptedRouter
 from tokencache_routing.core.batch import PreparedForward
+from tokencache_routing.core.routers import Router, RouterFeatures
 from tokencache_routing.core.scheduler import Scheduler, SchedulerConfig, WaitForMemory
 from tokencache_routing.core.state import GREEDY, LARGE, Request
 
@@ -331,6 +332,17 @@ def test_an_interrupt_in_a_catchup_keeps_the_running_list() -> None:
     assert s.busy == []
 
 
+class TokenReadingRouter(Router):
+    """A Bernoulli draw, or the small model's token a multiple of 5: reads every feature the
+    engine hands a router (rids, positions and the drawn tokens)."""
+
+    def __init__(self) -> None:
+        self.inner = BernoulliRouter(0.3, seed=6)
+
+    def route(self, f: RouterFeatures) -> torch.Tensor:
+        return self.inner.route(f) | (f.tokens % 5 == 0)
+
+
 def run_only(prep: PreparedForward, router: Any = None) -> float:
     """PreparedForward.launch without the draw and the routing: finish_small / finish_large
     then draw (and route) on the host, their `run() rather than launch()` path."""
@@ -345,14 +357,14 @@ def test_forwards_run_without_launch_draw_and_route_as_launched_ones(
     """finish_small and finish_large draw (and route) a forward that was run() rather than
     launch()ed as launch() would: the same tokens, models and finish reasons, sampled rows
     and greedy ones mixed (finish_large mutants 10, 15: the draw without its rows' places
-    or without which rows sample)."""
+    or without which rows sample; finish_small 94: the router handed no tokens)."""
     prompts = make_prompts(6, seed=91, shared=3)
     sampled = [SamplingParams(temperature=1.2, top_p=0.9, seed=70 + i) for i in range(6)]
     sampling = [sampled[i] if i % 2 else GREEDY for i in range(6)]
 
     def generate() -> list[Any]:
         # No overlap: a step continuing one in flight reads that one's draw on the device.
-        eng = RoutedEngine(*pair, BernoulliRouter(0.4, seed=6), 256, mode=mode, overlap=False)
+        eng = RoutedEngine(*pair, TokenReadingRouter(), 256, mode=mode, overlap=False)
         handles = [
             eng.submit(p, 10, route_key=i, sampling=sampling[i]) for i, p in enumerate(prompts)
         ]
