@@ -102,6 +102,8 @@ def test_admission_is_fcfs_and_takes_a_freed_place_at_once(pair: Any, max_parked
         real_admit(not_after)
         order.extend(r.rid for r in s.running if id(r) not in before)
         due = [r for r in s.waiting if not_after is None or r.submitted_at <= not_after]
+        # Only a preemption blocks admission (none here): a finish never does.
+        assert not s.admit_blocked or s.stats.preemptions > 0
         if due and not s.admit_blocked:
             assert len(s.active()) == sched.max_admitted, (len(s.active()), len(due))
 
