@@ -113,7 +113,7 @@ def test_models_whose_vocabularies_differ_in_size_route_over_the_shared_ids(pair
     import torch
 
     from tokencache_models import random_model
-    from tokencache_routing import BernoulliRouter, reference_generate
+    from tokencache_routing import BernoulliRouter, SamplingParams, reference_generate
 
     small, large = pair
     cfg = dataclasses.replace(large.config, vocab_size=large.config.vocab_size + 32)
@@ -121,12 +121,18 @@ def test_models_whose_vocabularies_differ_in_size_route_over_the_shared_ids(pair
     with torch.no_grad():
         wide.lm_head.weight[small.config.vocab_size :] = 5.0  # would win every argmax
     router = BernoulliRouter(0.5, seed=3)
-    prompts = make_prompts(3, seed=4, shared=4)
+    prompts = make_prompts(4, seed=4, shared=4)
     eng = RoutedEngine(small, wide, router, num_slots=512)
-    res = eng.generate(prompts, 8)
-    ref, _ = reference_generate(small, wide, prompts, 8, lambda i, p: bool(res.models[i][p]))
-    assert res.tokens == ref and any(any(m) for m in res.models)
-    assert max(max(t) for t in res.tokens) < small.config.vocab_size == eng.vocab_size
+    # Three greedy requests (their argmax in the forward's epilogue) and one that samples
+    # from the logits themselves, which must be the shared ids' too.
+    sampling = [None, None, None, SamplingParams(temperature=1.5, seed=5)]
+    handles = [eng.submit(p, 8, sampling=sampling[i]) for i, p in enumerate(prompts)]
+    assert all(h.wait(60) for h in handles)
+    tokens, models = [h.tokens for h in handles], [h.models for h in handles]
+    ref, _ = reference_generate(small, wide, prompts[:3], 8, lambda i, p: bool(models[i][p]))
+    assert tokens[:3] == ref and any(any(m) for m in models)
+    assert any(models[3]) and len(tokens[3]) == 8  # the sampled request reached the large model
+    assert max(max(t) for t in tokens) < small.config.vocab_size == eng.vocab_size
 
 
 def test_kv_events_are_recorded_when_asked(pair: Any) -> None:
