@@ -344,14 +344,18 @@ class ForwardOutput:
     greedy: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
 
-    def rows(self, idx: torch.Tensor) -> ForwardOutput:
-        """The output of rows idx (a device index tensor), epilogue values included."""
+    def each(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ForwardOutput:
+        """fn applied to every tensor of the output (the epilogue's too, when there)."""
         return ForwardOutput(
-            logits=self.logits[idx],
-            hidden=self.hidden[idx.to(self.hidden.device)],
-            greedy=self.greedy[idx] if self.greedy is not None else None,
-            entropy=self.entropy[idx] if self.entropy is not None else None,
+            logits=fn(self.logits),
+            hidden=fn(self.hidden),
+            greedy=fn(self.greedy) if self.greedy is not None else None,
+            entropy=fn(self.entropy) if self.entropy is not None else None,
         )
+
+    def rows(self, idx: torch.Tensor) -> ForwardOutput:
+        """The output of rows idx (an index tensor), epilogue values included."""
+        return self.each(lambda t: t[idx.to(t.device)])
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ kv_slots buffer (kv_capacity). A step whose rows share prefixes replays the buck
 shared-prefix graph for its number of groups (one system prompt: one group, the common case;
 captured on first use), which reads the groups' tile table from buffers as well. The torch path
 gathers a fixed [rows, width] block, so its graphs are keyed by (bucket, width) as well,
-width = decode_kv_width(max kv length).
+width = decode_kv_width(max kv length). A step's epilogue (epilogue.py: greedy tokens, entropy)
+is captured in its graph, so graphs are keyed by it too.
 """
 
 from __future__ import annotations
@@ -336,12 +337,7 @@ class DecodeGraphRunner:
         else:
             out = self._body(*step.key)
         b = step.num_real
-        return ForwardOutput(
-            logits=out.logits[:b].clone(),
-            hidden=out.hidden[:b].clone(),
-            greedy=out.greedy[:b].clone() if out.greedy is not None else None,
-            entropy=out.entropy[:b].clone() if out.entropy is not None else None,
-        )
+        return out.each(lambda t: t[:b].clone())  # copies: the next replay overwrites them
 
     def _body(
         self, rows: int, width: int, groups: int, source: int, epilogue: Epilogue | None

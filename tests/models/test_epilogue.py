@@ -118,14 +118,15 @@ def test_epilogue_never_reads_the_device() -> None:
     assert out.entropy is not None and out.entropy.shape == (2,)
 
 
-def test_draw_leaves_the_forwards_greedy_tokens_alone() -> None:
-    """draw() writes its sampled rows over a copy of the epilogue's tokens, never into them."""
+def test_draw_takes_the_forwards_greedy_tokens_and_leaves_them_alone() -> None:
+    """draw() gives greedy rows the epilogue's tokens (here deliberately not the argmax, to
+    tell them apart) and writes its sampled rows over a copy of them, never into them."""
     from tokencache_routing import SamplingParams
     from tokencache_routing.core.sampling import draw
     from tokencache_routing.core.state import Request
 
     logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
-    greedy = logits.argmax(-1)
+    greedy = (logits.argmax(-1) + 1) % 16
     before = greedy.clone()
     reqs = [
         Request(i, i, np.array([1, 2]), 4, SamplingParams(temperature=t, seed=i), frozenset())
@@ -136,5 +137,6 @@ def test_draw_leaves_the_forwards_greedy_tokens_alone() -> None:
     assert torch.equal(greedy, before)
     tokens, failed = d.resolve(reqs)
     assert not failed and tokens[0] == before[0] and tokens[2] == before[2]
-    host = draw(logits, reqs, np.array([2, 2, 2]), sampled)  # argmax taken here instead
-    assert host.resolve(reqs)[0] == tokens
+    host, _ = draw(logits, reqs, np.array([2, 2, 2]), sampled).resolve(reqs)  # argmax here
+    assert host[1] == tokens[1]  # the sampled row is the same draw either way
+    assert [host[0], host[2]] == logits.argmax(-1)[[0, 2]].tolist() != [tokens[0], tokens[2]]

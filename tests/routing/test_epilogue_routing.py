@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from routing_helpers import check_idle, make_prompts
 
 from tokencache_models import Epilogue
 from tokencache_routing import EntropyRouter, RoutedEngine, SamplingParams, SchedulerConfig
 from tokencache_routing.core.kv import ModelSide
+from tokencache_routing.core.routers import RouterFeatures
 
 SAMPLING = [None, SamplingParams(0.9, seed=5), None, SamplingParams(1.2, 0.8, seed=6)]
 
@@ -44,13 +46,19 @@ def test_the_epilogue_changes_no_token_and_no_decision(
         applied.append(self)
         return apply(self, out)
 
+    def no_host_log_probs(self: RouterFeatures) -> torch.Tensor:
+        raise AssertionError("the router computed on the host what the epilogue had")
+
     monkeypatch.setattr(Epilogue, "apply", spy)
+    monkeypatch.setattr(RouterFeatures, "log_probs", property(no_host_log_probs))
     on, with_epilogue = _generate(pair, mode, overlap)
+    monkeypatch.undo()
     # The small model's launched steps computed the entropy on the device, the large one's not.
     assert any(e.entropy for e in applied) and not all(e.entropy for e in applied)
     assert all(e.vocab == on.vocab_size for e in applied)
 
     applied.clear()  # the host computes greedy tokens and entropy after each forward
+    monkeypatch.setattr(Epilogue, "apply", spy)
     monkeypatch.setattr(ModelSide, "epilogue", lambda self, router=None: None)
     off, on_the_host = _generate(pair, mode, overlap)
     assert not applied

@@ -176,8 +176,10 @@ def test_the_clock_charges_only_the_host_time_the_device_waits_for(pair: Any) ->
 @pytest.mark.parametrize("topology", ["one-device", "two-devices"])
 def test_waiting_for_a_catch_up_is_not_waiting_for_the_host(pair: Any, topology: str) -> None:
     """The GPU-idle figure is the time the small model's device waits for the host: never
-    more than the host worked. Time with nothing to run (every request away at a catch-up on
-    the other device, here every token escalates) is the small model's idle time, not that."""
+    more than the host worked. Every token escalates here: on two devices every request is
+    away at a catch-up on the other device now and then, time with nothing to run, which is
+    the small model's idle time and not that (one device: catch-ups stall the small model,
+    also its idle time)."""
     eng = RoutedEngine(
         *pair,
         ScriptedRouter(every=True),

@@ -70,7 +70,7 @@ class ModelSide:
     def epilogue(self, router: Router | None = None) -> Epilogue:
         """What this side's forwards compute from their logits on the device: each row's
         greedy token over the shared vocabulary, and the entropy when the router reads it."""
-        entropy = router is not None and "entropy" in router.device_features
+        entropy = "entropy" in getattr(router, "device_features", ())  # any router object
         key = (self.vocab_size, entropy)
         e = self._epilogues.get(key)
         if e is None:

@@ -56,7 +56,10 @@ class Router:
 
     device_features: the RouterFeatures a router reads that the forward can compute on the
     device, in its epilogue (tokencache_models.Epilogue: "entropy"), so the host does not
-    launch them after each step."""
+    launch them after each step. Subclasses inherit it (an EntropyRouter subclass gets the
+    entropy computed whether it reads it or not); a router wrapping another declares its
+    inner router's to keep them; a router without the attribute gets none (computed on the
+    host when read)."""
 
     device_features: frozenset[str] = frozenset()
 

@@ -119,7 +119,7 @@ class EventLoop:
         return): its clock moves there, and so does its device queue, so that this wait is
         not counted as the device waiting for the host (Stats.device_idle_s)."""
         self.t_small = max(self.t_small, t)
-        self.dev_free = max(self.dev_free, self.t_small)
+        self.dev_free = max(self.dev_free, t)  # host work already past t is still waited for
 
     def _rejoin(self) -> None:
         """Two devices: a catch-up's requests rejoin once the small clock reaches its end."""

@@ -30,9 +30,10 @@ shares (their system prompt) once per block of the group's query rows, not once 
 report's clock line says which, and how many system prompts. "threaded" runs on wall time (its
 two workers really overlap), so its rows are CPU measurements whatever the clock.
 
-Per (context, p, system): decode tokens/s, time to first token and per-token latency p50/p99
-(engine clock), small-model batch occupancy (batch / min(max_running, admitted requests)),
-small steps, catch-up batches, bookkeeping share (tree and cursor time measured here, over the
+Per (context, p, system): decode tokens/s, time to first token, TPOT (per request, as the
+serving benchmarks define it) and ITL (every inter-token gap) p50/p99 (engine clock),
+small-model batch occupancy (batch / min(max_running, admitted requests)), small steps,
+catch-up batches, bookkeeping share (tree and cursor time measured here, over the
 engine clock's time); bounds: the small model alone, the large model alone, the ideal
 (small-alone time plus the tokencache run's large catch-up time) and the ceiling (small-alone
 time plus the least the large model's tokens and KV reads can cost: each escalation's context,
