@@ -51,3 +51,31 @@ def test_the_tree_holds_the_tokens_that_were_fed(pair: Any, overlap: bool) -> No
         assert side.cached_prefix_len(seq) == len(seq) - 1
     eng.shutdown()
     check_idle(eng)
+
+
+def test_a_step_failing_after_its_commit_fails_its_requests_only(
+    pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overlap: a step that continued the one before it is committed, and then reading its
+    router's answers raises. Its live requests end with that error (abandoning a committed
+    step must not trip over the link to the step it continued), and nothing is left pinned
+    or allocated."""
+    from tokencache_routing import BernoulliRouter
+    from tokencache_routing.core.sampling import Decisions
+
+    calls, resolve = [0], Decisions.resolve
+
+    def flaky(self: Decisions) -> list[bool]:
+        calls[0] += 1
+        if calls[0] == 6:  # a steady step, continuing the one before it
+            raise RuntimeError("answers lost")
+        return resolve(self)
+
+    monkeypatch.setattr(Decisions, "resolve", flaky)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.2, seed=9), 512)
+    handles = [eng.submit(p, 10) for p in make_prompts(3, seed=93, shared=4)]
+    assert all(h.wait(60) for h in handles)
+    failed = [h for h in handles if h.finished_reason == "error"]
+    assert failed and all("answers lost" in repr(h.error) for h in failed)
+    eng.shutdown()
+    check_idle(eng)
