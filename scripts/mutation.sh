@@ -111,8 +111,8 @@ run_mutmut() {
       # name in the order mutmut wrote them (its .meta file: source order, then mutant number).
       local step="${SAMPLE%%/*}" start=0
       [[ "$SAMPLE" != */* ]] || start="${SAMPLE#*/}"
-      (cd "$d" && "$PY" - "$pkgdir/$m.py" "$step" "$start" > "$OUT/sample-$m.txt" \
-          2> generate.log) <<'EOF'
+      (cd "$d" && "$PY" - "$pkgdir/$m.py" "$step" "$start" "$OUT/sample-$m.txt" \
+          > generate.log 2>&1) <<'EOF'
 import json, sys
 import mutmut.__main__ as mm
 
@@ -124,9 +124,9 @@ mm.setup_source_paths()
 mm.create_mutants(1)
 keys = list(json.load(open(f"mutants/{sys.argv[1]}.meta"))["exit_code_by_key"])
 step, start = int(sys.argv[2]), int(sys.argv[3])
-print(" ".join(keys[start::step]))
-print(f"sample: {len(keys[start::step])} of {len(keys)} mutants (every {step}th from {start})",
-      file=sys.stderr)
+with open(sys.argv[4], "w") as f:  # mutmut prints what it copies: the names go to a file
+    f.write(" ".join(keys[start::step]) + "\n")
+print(f"sample: {len(keys[start::step])} of {len(keys)} mutants (every {step}th from {start})")
 EOF
       tail -n 1 "$d/generate.log"
       names="$(cat "$OUT/sample-$m.txt")"
