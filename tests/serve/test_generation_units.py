@@ -236,3 +236,13 @@ def test_an_abort_after_held_back_text_still_sends_that_text() -> None:
     chunks, err = run_steps(g, h, [([0, 2], None, None), ([], "abort", None)])
     assert [c.text for c in chunks] == ["a", "c"] and chunks[-1].token_ids == []
     assert isinstance(err, GenerationError) and err.status == 503
+
+
+def test_abort_says_whether_it_stopped_a_running_request() -> None:
+    # what the server's abort_all counts at shutdown: the requests that were still running
+    g, h = make()
+    assert g.abort() is True and h.finished_reason == "abort"
+    assert g.abort() is False  # already ended
+    g2, h2 = make()
+    h2.finished_reason = "length"
+    assert g2.abort() is False and h2.finished_reason == "length"
