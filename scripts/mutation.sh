@@ -47,8 +47,8 @@ TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission
 
 # The server's modules: the files that pin each module's promises (the server runs in a thread
 # of the test process, on the tiny models; each list ~10-25 s clean).
-TESTS_serve_generation="tests/serve/test_openai_api.py tests/serve/test_conformance.py tests/serve/test_isolation.py tests/serve/test_engine_failure.py tests/serve/test_shutdown.py tests/serve/test_disconnect.py tests/serve/test_threaded_mode.py"
-TESTS_serve_protocol="tests/serve/test_errors.py tests/serve/test_fuzz.py tests/serve/test_openai_api.py tests/serve/test_conformance.py"
+TESTS_serve_generation="tests/serve/test_generation_units.py tests/serve/test_openai_api.py tests/serve/test_conformance.py tests/serve/test_isolation.py tests/serve/test_engine_failure.py tests/serve/test_shutdown.py tests/serve/test_disconnect.py tests/serve/test_threaded_mode.py"
+TESTS_serve_protocol="tests/serve/test_protocol_units.py tests/serve/test_errors.py tests/serve/test_fuzz.py tests/serve/test_openai_api.py tests/serve/test_conformance.py"
 TESTS_serve_errors="tests/serve/test_errors.py tests/serve/test_engine_failure.py tests/serve/test_shutdown.py tests/serve/test_conformance.py"
 TESTS_serve_textstream="tests/serve/test_textstream.py tests/serve/test_isolation.py tests/serve/test_openai_api.py tests/serve/test_conformance.py"
 
