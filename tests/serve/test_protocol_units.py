@@ -78,6 +78,44 @@ CHAT_REFUSALS = [
 
 COMPLETION_REFUSALS = [
     (
+        completion(model=5),
+        "model",
+        "invalid_type",
+        "Invalid type for 'model': expected a string, but got an integer instead.",
+    ),
+    (completion(n=0), "n", "invalid_value", "Invalid 'n': must be >= 1, got 0."),
+    (
+        completion(logit_bias=[1]),
+        "logit_bias",
+        "invalid_type",
+        "Invalid type for 'logit_bias': expected an object, but got an array instead.",
+    ),
+    (
+        completion(max_tokens=0),
+        "max_tokens",
+        "integer_below_min_value",
+        "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 "
+        "instead.",
+    ),
+    (
+        completion(stream=True, stream_options=1),
+        "stream_options",
+        "invalid_type",
+        "Invalid type for 'stream_options': expected an object, but got an integer instead.",
+    ),
+    (
+        completion(stream_options={"include_usage": True}),
+        "stream_options",
+        "invalid_value",
+        "Invalid 'stream_options': only allowed when 'stream' is true.",
+    ),
+    (
+        completion(stream=True, stream_options={"include_usage": True, "x": 1}),
+        "stream_options",
+        "unrecognized_argument",
+        "Unrecognized stream option: x",
+    ),
+    (
         completion(best_of=2),
         "best_of",
         "unsupported_parameter",
