@@ -422,6 +422,72 @@ fn config_reads_back_what_the_tree_was_built_with() {
 }
 
 #[test]
+fn a_dropped_cursor_lets_go_of_its_pin() {
+    let t = tree(1);
+    {
+        let mut c = t.cursor(None);
+        c.extend(&[1, 2], &[10, 11]).unwrap();
+        assert_eq!(t.sizes().protected, 2);
+    } // dropped without release()
+    assert_eq!(t.sizes().protected, 0);
+    assert_eq!(t.evict(2), vec![10, 11]);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn a_cursors_node_is_the_root_until_it_caches_a_page() {
+    let t = tree(2);
+    let mut c = t.cursor(None);
+    assert!(c.node().is_root());
+    c.extend(&[1], &[10]).unwrap(); // a partial page: still at the root
+    assert!(c.node().is_root());
+    c.extend(&[2], &[11]).unwrap();
+    assert!(!c.node().is_root());
+    c.release().unwrap();
+}
+
+#[test]
+fn path_slots_and_length_are_those_from_the_root() {
+    let t = tree(1);
+    t.insert(&[1, 2, 3], &[10, 11, 12], None, 0).unwrap();
+    t.insert(&[1, 2, 4], &[10, 11, 20], None, 0).unwrap();
+    let m = t.match_prefix(&[1, 2, 4], None);
+    assert_eq!(t.path_slots(&m.node).unwrap(), vec![10, 11, 20]);
+    assert_eq!(t.path_length(&m.node).unwrap(), 3);
+}
+
+#[test]
+fn pretty_print_shows_each_node_and_the_sizes() {
+    let t = tree(1);
+    t.insert(&[1, 2, 3], &[10, 11, 12], None, 0).unwrap();
+    t.insert(&[1, 2, 4], &[10, 11, 20], None, 0).unwrap();
+    let text = t.pretty_print();
+    for line in [
+        "namespace None",
+        "  [1, 2] len=2 pins=0 protected=false",
+        "    [3] len=1",
+        "    [4] len=1",
+        "total=4 evictable=4 protected=0",
+    ] {
+        assert!(text.contains(line), "{line:?} not in\n{text}");
+    }
+}
+
+#[test]
+fn memory_bytes_grow_linearly_with_a_nodes_length() {
+    let grown = |n: u32| {
+        let t = tree(1);
+        let empty = t.memory_bytes();
+        let tokens: Vec<u32> = (0..n).collect();
+        let slots: Vec<i64> = (0..i64::from(n)).collect();
+        t.insert(&tokens, &slots, None, 0).unwrap();
+        t.memory_bytes() - empty
+    };
+    let (one, two) = (grown(1000), grown(2000));
+    assert!(one >= 12 * 1000 && two <= 2 * one + 1024, "{one} {two}");
+}
+
+#[test]
 fn strict_batch_refusal_changes_nothing() {
     let t = build(TreeConfig {
         page_size: 2,
