@@ -474,20 +474,6 @@ fn pretty_print_shows_each_node_and_the_sizes() {
 }
 
 #[test]
-fn memory_bytes_grow_linearly_with_a_nodes_length() {
-    let grown = |n: u32| {
-        let t = tree(1);
-        let empty = t.memory_bytes();
-        let tokens: Vec<u32> = (0..n).collect();
-        let slots: Vec<i64> = (0..i64::from(n)).collect();
-        t.insert(&tokens, &slots, None, 0).unwrap();
-        t.memory_bytes() - empty
-    };
-    let (one, two) = (grown(1000), grown(2000));
-    assert!(one >= 12 * 1000 && two <= 2 * one + 1024, "{one} {two}");
-}
-
-#[test]
 fn strict_batch_refusal_changes_nothing() {
     let t = build(TreeConfig {
         page_size: 2,
