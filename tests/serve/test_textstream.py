@@ -155,3 +155,12 @@ def test_a_stop_completed_by_the_final_flush_stops_the_stream() -> None:
     s.finish()
     assert s.stopped
     assert s.text == s.delta(final=True) == "a"
+
+
+def test_text_held_back_for_a_stop_is_released_at_the_end() -> None:
+    tok = PieceTokenizer([b"x", b"a"])
+    s = TextStream(tok, ["ab"])
+    assert s.feed([0, 1]) == 2 and not s.stopped
+    assert s.delta() == "x"  # "a" may begin "ab": held back while the request runs
+    s.finish()
+    assert s.delta(final=True) == "a" and s.text == "xa"
