@@ -8,15 +8,22 @@
 #       batch; rng too if named), against the routing tests named in TESTS_<module> below
 #       (PYTEST_ARGS are added to pytest's). MUTANTS='glob ...' narrows to mutant names, e.g.
 #       MUTANTS='tokencache_routing.core.sampling.x__draw*' (mutmut's own naming).
+#   bash scripts/mutation.sh serve [MODULE...] [-- PYTEST_ARGS...]
+#       the same for integrations/tokencache_serve/MODULE.py (default: generation protocol
+#       errors textstream), against the server tests named in TESTS_serve_<module> below
+#       (names like tokencache_serve.protocol.x__common__mutmut_3).
 #   bash scripts/mutation.sh rust [CARGO_MUTANTS_ARGS...]
 #       cargo mutants on rust/tokencache-core (paths from the repository root, e.g.
 #       --file rust/tokencache-core/src/cell.rs --re 'NodeCell::(pin|unpin)').
 #
 # Environment: OUT (default /tmp/tokencache-mutation), JOBS (parallel mutants, default 1),
-# TIMEOUT_S (wall limit of the whole run, default 3600; partial results are kept),
+# TIMEOUT_S (wall limit of each module's run, default 3600; partial results are kept),
 # MUT_TIMEOUT_MULTIPLIER / MUT_TIMEOUT_CONSTANT (mutmut's per-mutant limit, default 3 / 20: a
 # mutant's tests are stopped, verdict "timeout", after (T + constant) * multiplier wall seconds,
 # T their clean duration; mutmut's own defaults, 15 / 1, let a hung mutant run ~13 minutes).
+# SAMPLE=N or N/K (python, serve): a systematic sample, every Nth mutant of the module in
+# mutmut's generation order (source order, then mutant number) from index K (default 0); the
+# names go to $OUT/sample-<module>.txt and are run instead of MUTANTS.
 # Tools: mutmut and its dependencies pinned in requirements/optional/mutation.txt (installed
 # into .venv on first use), cargo-mutants (`cargo install cargo-mutants --locked --version
 # 27.1.0`). Record what a run killed in docs/MUTATION.md with the date, commit and scope.
@@ -36,24 +43,34 @@ PY="$ROOT/.venv/bin/python"
 TESTS_sampling="tests/routing/test_sampling.py tests/routing/test_sampling_draws.py tests/routing/test_overlap.py tests/routing/test_routers.py tests/routing/test_failures.py"
 TESTS_rng="tests/routing/test_sampling_rng.py tests/routing/test_sampling.py tests/routing/test_routers.py"
 TESTS_scheduler="tests/routing/test_scheduler_mutants.py tests/routing/test_catchup_holdback.py tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
-TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission.py tests/routing/test_slot_rows.py tests/routing/test_exactness.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
+TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission.py tests/routing/test_slot_rows.py tests/routing/test_exactness.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py tests/routing/test_forward_lifecycle.py tests/routing/test_host_path.py"
+
+# The server's modules: the files that pin each module's promises (the server runs in a thread
+# of the test process, on the tiny models; each list ~10-25 s clean).
+TESTS_serve_generation="tests/serve/test_generation_units.py tests/serve/test_openai_api.py tests/serve/test_conformance.py tests/serve/test_isolation.py tests/serve/test_engine_failure.py tests/serve/test_shutdown.py tests/serve/test_disconnect.py tests/serve/test_threaded_mode.py"
+TESTS_serve_protocol="tests/serve/test_protocol_units.py tests/serve/test_errors.py tests/serve/test_fuzz.py tests/serve/test_openai_api.py tests/serve/test_conformance.py"
+TESTS_serve_errors="tests/serve/test_errors.py tests/serve/test_engine_failure.py tests/serve/test_shutdown.py tests/serve/test_conformance.py"
+TESTS_serve_textstream="tests/serve/test_textstream.py tests/serve/test_isolation.py tests/serve/test_openai_api.py tests/serve/test_conformance.py"
 
 export_head() {  # $1: folder; the committed tree only (nothing uncommitted is tested)
   rm -rf "$1" && mkdir -p "$1"
   git -C "$ROOT" archive HEAD | tar -x -C "$1"
 }
 
-run_python() {
-  local modules=() extra=()
+# run_mutmut KIND PACKAGE_DIR TESTS_PREFIX MODULE... [-- PYTEST_ARGS...]: KIND names the folder
+# under $OUT and the tests' folder (routing, serve), PACKAGE_DIR the mutated modules' folder
+# under integrations/ (tokencache_routing/core, tokencache_serve).
+run_mutmut() {
+  local kind="$1" pkgdir="$2" prefix="$3" modules=() extra=()
+  shift 3
   while [ $# -gt 0 ]; do
     if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
     modules+=("$1"); shift
   done
-  [ ${#modules[@]} -gt 0 ] || modules=(sampling scheduler batch)
   if ! "$PY" -c "import mutmut" 2>/dev/null; then
     "$PY" -m pip install -q -r "$ROOT/requirements/optional/mutation.txt"
   fi
-  local src="$OUT/src" work="$OUT/python"
+  local src="$OUT/src" work="$OUT/$kind" pkg="${pkgdir%%/*}"
   export_head "$src"
   for m in "${modules[@]}"; do
     # mutmut names mutants by their path from where it runs, and the tests import the
@@ -61,14 +78,17 @@ run_python() {
     local d="$work/$m"
     rm -rf "$d" && mkdir -p "$d/tests"
     cp -r "$src/integrations/tokencache_routing" "$src/integrations/tokencache_models" "$d/"
-    cp -r "$src/tests/routing" "$d/tests/"
-    local tests_var="TESTS_$m" tests
-    tests="${!tests_var:-tests/routing}"
+    [ "$pkg" = tokencache_routing ] || cp -r "$src/integrations/$pkg" "$d/"
+    cp -r "$src/tests/$kind" "$d/tests/"
+    local tests_var="$prefix$m" tests also="tokencache_models/"
+    tests="${!tests_var:-tests/$kind}"
+    [ "$pkg" = tokencache_routing ] || also="tokencache_routing/ $also"
     {
       echo "[mutmut]"
-      echo "paths_to_mutate = tokencache_routing/"
-      echo "only_mutate = tokencache_routing/core/$m.py"
-      printf 'also_copy =\n    tokencache_models/\n    tests/\n'
+      echo "paths_to_mutate = $pkg/"
+      echo "only_mutate = $pkgdir/$m.py"
+      echo "also_copy ="
+      for a in $also tests/; do echo "    $a"; done
       echo "tests_dir ="
       for t in $tests; do echo "    $t"; done
       # One argument a line: mutmut hands a one-line value to pytest as a single argument.
@@ -85,21 +105,62 @@ run_python() {
       echo "timeout_multiplier = $MUT_TIMEOUT_MULTIPLIER"
       echo "timeout_constant = $MUT_TIMEOUT_CONSTANT"
     } > "$d/setup.cfg"
-    echo "== mutmut: tokencache_routing/core/$m.py against $tests"
-    # shellcheck disable=SC2086  # MUTANTS: globs for mutmut, unquoted on purpose
-    (cd "$d" && timeout "$TIMEOUT_S" "$PY" -m mutmut run --max-children "$JOBS" ${MUTANTS:-} \
+    local names="${MUTANTS:-}"
+    if [ -n "${SAMPLE:-}" ]; then
+      # Generate the mutants only (the first thing `mutmut run` does), then take every Nth
+      # name in the order mutmut wrote them (its .meta file: source order, then mutant number).
+      local step="${SAMPLE%%/*}" start=0
+      [[ "$SAMPLE" != */* ]] || start="${SAMPLE#*/}"
+      (cd "$d" && "$PY" - "$pkgdir/$m.py" "$step" "$start" "$OUT/sample-$m.txt" \
+          > generate.log 2>&1) <<'EOF'
+import json, sys
+import mutmut.__main__ as mm
+
+mm.set_mutant_under_test("mutant_generation")
+mm.makedirs("mutants", exist_ok=True)
+mm.copy_src_dir()
+mm.copy_also_copy_files()
+mm.setup_source_paths()
+mm.create_mutants(1)
+keys = list(json.load(open(f"mutants/{sys.argv[1]}.meta"))["exit_code_by_key"])
+step, start = int(sys.argv[2]), int(sys.argv[3])
+with open(sys.argv[4], "w") as f:  # mutmut prints what it copies: the names go to a file
+    f.write(" ".join(keys[start::step]) + "\n")
+print(f"sample: {len(keys[start::step])} of {len(keys)} mutants (every {step}th from {start})")
+EOF
+      tail -n 1 "$d/generate.log"
+      names="$(cat "$OUT/sample-$m.txt")"
+    fi
+    echo "== mutmut: integrations/$pkgdir/$m.py against $tests"
+    # shellcheck disable=SC2086  # names: globs or names for mutmut, unquoted on purpose
+    (cd "$d" && timeout "$TIMEOUT_S" "$PY" -m mutmut run --max-children "$JOBS" $names \
         > run.log 2>&1) || true
     (cd "$d" && "$PY" -m mutmut results --all true > "$OUT/mutmut-$m.txt" 2>&1) || true
-    "$PY" - "$OUT/mutmut-$m.txt" "$m" <<'EOF'
-import collections, sys
+    "$PY" - "$OUT/mutmut-$m.txt" "$m" "$names" <<'EOF'
+import collections, fnmatch, sys
 lines = [line for line in open(sys.argv[1]) if "__mutmut_" in line]
+pats = sys.argv[3].split()
+if pats:  # count only what was asked for
+    lines = [ln for ln in lines if any(fnmatch.fnmatch(ln.split(": ")[0].strip(), p) for p in pats)]
 counts = collections.Counter(line.rsplit(": ", 1)[-1].strip() for line in lines)
 done = sum(v for k, v in counts.items() if k != "not checked")
-killed = counts.get("killed", 0)
-print(f"{sys.argv[2]}: {dict(counts)}; killed {killed} of {done} checked"
-      + (f" ({100 * killed / done:.0f}%)" if done else ""))
+detected = counts.get("killed", 0) + counts.get("timeout", 0)
+print(f"{sys.argv[2]}: {dict(counts)}; detected (killed + timeout) {detected} of {done} checked"
+      + (f" ({100 * detected / done:.0f}%)" if done else ""))
 EOF
   done
+}
+
+run_python() {
+  local args=("$@")
+  [ $# -gt 0 ] && [ "$1" != "--" ] || args=(sampling scheduler batch "$@")
+  run_mutmut routing tokencache_routing/core TESTS_ "${args[@]}"
+}
+
+run_serve() {
+  local args=("$@")
+  [ $# -gt 0 ] && [ "$1" != "--" ] || args=(generation protocol errors textstream "$@")
+  run_mutmut serve tokencache_serve TESTS_serve_ "${args[@]}"
 }
 
 run_rust() {
@@ -118,6 +179,7 @@ run_rust() {
 mkdir -p "$OUT"
 case "${1:-}" in
   python) shift; run_python "$@" ;;
+  serve) shift; run_serve "$@" ;;
   rust) shift; run_rust "$@" ;;
-  *) sed -n 2,21p "$0"; exit 2 ;;
+  *) sed -n 2,29p "$0"; exit 2 ;;
 esac

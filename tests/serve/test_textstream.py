@@ -101,3 +101,66 @@ def test_stop_matcher_finds_across_calls() -> None:
         text += piece
         found = m.find(text)
     assert found == 4
+
+
+class PieceTokenizer:
+    """Token i decodes to pieces[i] (bytes); a decode joins the bytes and replaces broken UTF-8,
+    as a byte-level tokenizer's decode does. Records how many ids each decode was given."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+        self.decoded: list[int] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decoded.append(len(ids))
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_decoding_a_token_costs_a_short_window_not_the_whole_output() -> None:
+    tok = PieceTokenizer([bytes([c]) for c in range(128)])
+    ids = [ord(c) for c in "the quick brown fox jumps over the lazy dog " * 20]
+    dec = IncrementalDecoder(tok)
+    assert "".join(dec.push(t) for t in ids) == dec.text == bytes(ids).decode()
+    assert max(tok.decoded) <= 4  # the window, whatever the length so far (880 tokens)
+
+
+def test_flush_returns_only_the_text_held_back() -> None:
+    tok = PieceTokenizer([b"a", b"b", "é".encode()[:1]])
+    dec = IncrementalDecoder(tok)
+    assert dec.push(0) + dec.push(1) == "ab"
+    assert dec.flush() == ""  # nothing held back
+    assert dec.push(2) == ""  # a partial character
+    assert dec.flush() == "\ufffd"
+    assert dec.text == "ab\ufffd"
+
+
+def test_the_earliest_stop_in_one_token_wins() -> None:
+    tok = PieceTokenizer([b"1 ab 2 ab 3"])  # one token holds the stop string twice
+    s = TextStream(tok, ["ab"])
+    assert s.feed([0]) == 1 and s.stopped
+    assert s.text == s.delta() == "1 "
+
+
+def test_a_stream_before_its_first_token_is_empty() -> None:
+    s = TextStream(PieceTokenizer([b"x"]), ["stop"])  # e.g. a wake that brought no tokens
+    assert s.feed([]) == 0 and s.text == "" and s.delta() == "" and s.delta(final=True) == ""
+
+
+def test_a_stop_completed_by_the_final_flush_stops_the_stream() -> None:
+    # The last token completes the stop string and starts a character that never ends: the
+    # text is held back until finish() flushes it, and the stop is found then.
+    tok = PieceTokenizer([b"ab" + "é".encode()[:1]])
+    s = TextStream(tok, ["b"])
+    assert s.feed([0]) == 1 and not s.stopped and s.delta() == ""
+    s.finish()
+    assert s.stopped
+    assert s.text == s.delta(final=True) == "a"
+
+
+def test_text_held_back_for_a_stop_is_released_at_the_end() -> None:
+    tok = PieceTokenizer([b"x", b"a"])
+    s = TextStream(tok, ["ab"])
+    assert s.feed([0, 1]) == 2 and not s.stopped
+    assert s.delta() == "x"  # "a" may begin "ab": held back while the request runs
+    s.finish()
+    assert s.delta(final=True) == "a" and s.text == "xa"

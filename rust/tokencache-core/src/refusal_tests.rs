@@ -169,3 +169,29 @@ fn first_duplicate_in_every_regime() {
     assert_eq!(first_duplicate(&sparse), Some(7_000_000_049));
     assert_eq!(first_duplicate(&sparse[..40]), None);
 }
+
+#[test]
+fn extend_many_refuses_offsets_that_do_not_cover_the_tokens() {
+    let t = build(1, false);
+    t.insert(&[7, 8], &[0, 1], None, 0).unwrap();
+    let (mut a, mut b) = (t.cursor(None), t.cursor(None));
+    let before = snapshot(&t);
+    let (tokens, slots) = ([1, 2, 3], [5, 6, 7]);
+    // Each offsets array is wrong in one way only: its length, its start, its end (short of
+    // the tokens or past them), its order.
+    for offsets in [&[0, 1][..], &[1, 2, 3], &[0, 1, 2], &[0, 1, 4], &[0, 2, 1]] {
+        let r = t.extend_many(&mut [&mut a, &mut b], offsets, &tokens, &slots);
+        assert!(
+            matches!(r, Err(Error::Shape(ref m)) if m.contains("offsets")),
+            "{offsets:?}: {r:?}"
+        );
+        assert_eq!(snapshot(&t), before, "{offsets:?}");
+        assert_eq!((a.length(), b.length()), (0, 0));
+    }
+    t.extend_many(&mut [&mut a, &mut b], &[0, 1, 3], &tokens, &slots)
+        .unwrap();
+    assert_eq!(
+        (a.tokens().unwrap(), b.tokens().unwrap()),
+        (vec![1], vec![2, 3])
+    );
+}

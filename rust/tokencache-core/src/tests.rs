@@ -59,6 +59,24 @@ fn namespaces_never_share() {
 }
 
 #[test]
+fn a_cursor_at_a_match_keeps_its_namespace() {
+    let t = tree(1);
+    t.insert(&[1, 2], &[0, 1], Some("a"), 0).unwrap();
+    t.insert(&[1, 2], &[5, 6], None, 0).unwrap();
+    for ns in [Some("a"), None] {
+        let m = t.match_prefix(&[1, 2], ns);
+        let mut c = t.cursor_at(&m.node).unwrap();
+        assert_eq!((c.namespace(), c.length()), (ns, 2));
+        // and it extends within that namespace only
+        c.extend(&[3], &[if ns.is_some() { 2 } else { 7 }]).unwrap();
+        c.release().unwrap();
+        assert_eq!(t.match_prefix(&[1, 2, 3], ns).length, 3);
+    }
+    assert_eq!(t.cursor(Some("b")).namespace(), Some("b"));
+    ok(&t);
+}
+
+#[test]
 fn lock_protects_path_and_evict_skips_it() {
     let t = tree(1);
     let a = t.insert(&[1, 2, 3], &[0, 1, 2], None, 0).unwrap().node;
@@ -322,6 +340,21 @@ fn lfu_inserted_len_skips_own_prefix() {
 }
 
 #[test]
+fn record_hits_counts_only_the_nodes_that_end_past_since() {
+    // What an insert of the cursor's sequence with inserted_len = since counts: nothing for a
+    // node that ends at `since` (the lfu_inserted_len_skips_own_prefix rule).
+    for (since, first_evicted) in [(2, vec![10, 11]), (1, vec![90, 91])] {
+        let t = tree_with(EvictionPolicy::Lfu);
+        let mut a = t.cursor(None);
+        a.extend(&[1, 2], &[10, 11]).unwrap(); // one node, one hit, the older
+        t.insert(&[9, 9], &[90, 91], None, 0).unwrap(); // one hit, newer
+        a.record_hits(since).unwrap(); // since 2: none; since 1: the node ends past it
+        a.release().unwrap();
+        assert_eq!(t.evict(1), first_evicted, "since {since}");
+    }
+}
+
+#[test]
 fn fifo_split_prefix_is_a_new_node() {
     let t = tree_with(EvictionPolicy::Fifo);
     t.insert(&[1, 2, 3, 4, 5, 6], &[10, 11, 12, 13, 14, 15], None, 0)
@@ -356,6 +389,88 @@ fn cursor_touch_refreshes_the_whole_path_lazily() {
     assert_eq!(t.evict(1), vec![10, 11, 12]);
     assert_eq!(t.evict(1), vec![50, 51]);
     t.check_invariants().unwrap();
+}
+
+#[test]
+fn a_parent_left_a_leaf_by_truncation_is_as_recent_as_its_touched_child() {
+    // A cursor's touch stamps only its own node; SGLang would stamp the whole path. Once the
+    // child leaves (truncate), the parent must be as recent as that touch made it.
+    let t = tree(1);
+    let mut c = t.cursor(None);
+    c.extend(&[7, 8], &[30, 31]).unwrap();
+    let mut d = t.cursor(None);
+    d.extend(&[7, 8, 9], &[30, 31, 40]).unwrap();
+    t.insert(&[5, 5], &[50, 51], None, 0).unwrap(); // after [7, 8] was last reached
+    d.touch().unwrap(); // the whole of [7, 8, 9] used now
+    assert_eq!(d.truncate(1).unwrap(), vec![40]);
+    c.release().unwrap();
+    d.release().unwrap();
+    assert_eq!(t.evict(1), vec![50, 51]); // [7, 8] is the more recent leaf
+    assert_eq!(t.evict(1), vec![30, 31]);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn config_reads_back_what_the_tree_was_built_with() {
+    let config = TreeConfig {
+        page_size: 4,
+        policy: EvictionPolicy::Lfu,
+        strict_pages: true,
+        ..TreeConfig::default()
+    };
+    assert_eq!(build(config).config(), config);
+}
+
+#[test]
+fn a_dropped_cursor_lets_go_of_its_pin() {
+    let t = tree(1);
+    {
+        let mut c = t.cursor(None);
+        c.extend(&[1, 2], &[10, 11]).unwrap();
+        assert_eq!(t.sizes().protected, 2);
+    } // dropped without release()
+    assert_eq!(t.sizes().protected, 0);
+    assert_eq!(t.evict(2), vec![10, 11]);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn a_cursors_node_is_the_root_until_it_caches_a_page() {
+    let t = tree(2);
+    let mut c = t.cursor(None);
+    assert!(c.node().is_root());
+    c.extend(&[1], &[10]).unwrap(); // a partial page: still at the root
+    assert!(c.node().is_root());
+    c.extend(&[2], &[11]).unwrap();
+    assert!(!c.node().is_root());
+    c.release().unwrap();
+}
+
+#[test]
+fn path_slots_and_length_are_those_from_the_root() {
+    let t = tree(1);
+    t.insert(&[1, 2, 3], &[10, 11, 12], None, 0).unwrap();
+    t.insert(&[1, 2, 4], &[10, 11, 20], None, 0).unwrap();
+    let m = t.match_prefix(&[1, 2, 4], None);
+    assert_eq!(t.path_slots(&m.node).unwrap(), vec![10, 11, 20]);
+    assert_eq!(t.path_length(&m.node).unwrap(), 3);
+}
+
+#[test]
+fn pretty_print_shows_each_node_and_the_sizes() {
+    let t = tree(1);
+    t.insert(&[1, 2, 3], &[10, 11, 12], None, 0).unwrap();
+    t.insert(&[1, 2, 4], &[10, 11, 20], None, 0).unwrap();
+    let text = t.pretty_print();
+    for line in [
+        "namespace None",
+        "  [1, 2] len=2 pins=0 protected=false",
+        "    [3] len=1",
+        "    [4] len=1",
+        "total=4 evictable=4 protected=0",
+    ] {
+        assert!(text.contains(line), "{line:?} not in\n{text}");
+    }
 }
 
 #[test]
