@@ -19,6 +19,12 @@ import torch
 from .context import ForwardOutput
 
 
+def entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats of each row of log-probabilities: the one formula the
+    epilogue and the router's host-side features (RouterFeatures.entropy) both use."""
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """vocab: the logits columns that are tokens (the engine's shared vocabulary); entropy:
@@ -43,6 +49,5 @@ class Epilogue:
         greedy = logits.argmax(-1)
         entropy = None
         if self.entropy:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            entropy = -(lp.exp() * lp).sum(-1)
+            entropy = entropy_of(torch.log_softmax(logits.float(), dim=-1))
         return dataclasses.replace(out, greedy=greedy, entropy=entropy)

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokencache_models.epilogue import entropy_of
+
 from .rng import splitmix64, to_unit
 
 
@@ -37,8 +39,7 @@ class RouterFeatures:
         """Shannon entropy in nats, [B] (the forward's epilogue may have computed it: the same
         operations, tokencache_models.Epilogue)."""
         if "entropy" not in self._cache:
-            lp = self.log_probs
-            self._cache["entropy"] = -(lp.exp() * lp).sum(-1)
+            self._cache["entropy"] = entropy_of(self.log_probs)
         h: torch.Tensor = self._cache["entropy"]
         return h
 
