@@ -224,8 +224,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     # The host path is one thread; torch's intra-op pool on a shared 2-core machine would
-    # turn a [batch, vocab] softmax into milliseconds of spinning.
+    # turn a [batch, vocab] softmax into milliseconds of spinning. Restored on return: a
+    # caller's process (the tests) keeps its own setting.
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> list[Row]:
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is optional

@@ -116,6 +116,18 @@ class DeferredTokens:
         if has_duplicates(dest):
             raise ValueError("DeferredTokens.dest fills a token position twice")
 
+    @classmethod
+    def of_rows(cls, source: torch.Tensor, index: np.ndarray, dest: np.ndarray) -> DeferredTokens:
+        """Without the checks, for a caller whose arrays are valid by construction (int64,
+        index rows of source, dest distinct and >= 0): an overlapped scheduler builds one
+        each step from its own plan (tokencache_routing's prepare_forward). check() and
+        check_device() still run where the batch is loaded."""
+        out = cls.__new__(cls)
+        object.__setattr__(out, "source", source)
+        object.__setattr__(out, "index", index)
+        object.__setattr__(out, "dest", dest)
+        return out
+
     def __len__(self) -> int:
         return len(self.dest)
 

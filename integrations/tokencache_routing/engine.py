@@ -490,7 +490,10 @@ class RoutedEngine:
             rid = self._next_rid
             self._next_rid += 1
         key = rid if route_key is None else int(route_key)
-        req = Request(rid, key, arr, int(m), sampling or GREEDY, frozenset(int(s) for s in stops))
+        stop_set = frozenset(int(s) for s in stops)
+        req = Request(
+            rid, key, arr, int(m), sampling or GREEDY, stop_set, lock=self.sched.delivery_lock
+        )
         req.submitted_at = self.now()
         RequestHandle(req, self)
         if m == 0:

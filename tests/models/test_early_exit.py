@@ -201,12 +201,14 @@ def test_greedy_trace_matches_a_no_cache_recomputation() -> None:
                 out = model(ForwardBatch.from_requests([seq], [[]], [pool.alloc(len(seq))]), pool)
                 tok = int(out.logits.argmax(-1))
                 assert int(trace.tokens[r]) == tok
+                # Batched rows against one row alone: float32 sums in another order (and
+                # another GEMM blocking with another thread count), so not bit for bit.
                 torch.testing.assert_close(
-                    trace.final_hidden[r], out.hidden[0], atol=1e-5, rtol=1e-5
+                    trace.final_hidden[r], out.hidden[0], atol=1e-4, rtol=1e-4
                 )
                 for k in (1, 2):
                     torch.testing.assert_close(
-                        trace.layer_hidden[k][r], captured[k][-1], atol=1e-5, rtol=1e-5
+                        trace.layer_hidden[k][r], captured[k][-1], atol=1e-4, rtol=1e-4
                     )
                 seq.append(tok)
                 if tok == eos:

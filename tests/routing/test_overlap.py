@@ -161,13 +161,15 @@ def _pure_decode(pair: Any, overlap: bool) -> Any:
 
 def test_the_clock_charges_only_the_host_time_the_device_waits_for(pair: Any) -> None:
     """Without overlap the device waits for all the host's work (device_idle = host time);
-    with it only for what the host takes beyond each step's device time, so on the same
-    schedule (no escalation) the device idles less and the clock runs less."""
+    with it only for what the host takes beyond each step's device time: less than all of it,
+    so the clock runs less than the serial charge of the same run's times. Each run is compared with its own measured host time
+    (two runs' host times differ on a loaded machine)."""
     serial, overlapped = _pure_decode(pair, False), _pure_decode(pair, True)
     assert serial.tokens == overlapped.tokens and overlapped.dropped_rows == 0
     assert serial.device_idle_s == pytest.approx(serial.small_host_s)
-    assert overlapped.device_idle_s < 0.9 * serial.device_idle_s
-    assert overlapped.modeled_s < serial.modeled_s
+    host, device = overlapped.small_host_s, overlapped.small_device_s
+    assert overlapped.device_idle_s < host
+    assert overlapped.modeled_s < device + host
     # Never below the device's own work, nor below the host's.
     assert overlapped.modeled_s >= overlapped.small_device_s
     assert overlapped.modeled_s >= overlapped.small_host_s

@@ -330,6 +330,9 @@ class RowFacts:
             return cls.of(batch)
         cont = source >= 0
         if cont.all():
+            n = len(after.batch)
+            if len(source) == n and np.array_equal(source, np.arange(n)):
+                return after.facts  # every row goes on, in its place (immutable: shared)
             return after.facts.take(source)
         fresh = np.flatnonzero(~cont)
         new = cls.of([batch[i] for i in fresh.tolist()])
@@ -439,7 +442,8 @@ def prepare_forward(
             assert after.drawn is not None, "the forward continued from was not launched"
             src = source[dest]
             tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
-            host.deferred = DeferredTokens(after.drawn.tokens, src, q_off[dest])
+            # Valid by construction: src rows of that draw, q_off[dest] distinct row starts.
+            host.deferred = DeferredTokens.of_rows(after.drawn.tokens, src, q_off[dest])
         facts = RowFacts.carried(batch, source, after)
         prep = PreparedForward(
             side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full, facts

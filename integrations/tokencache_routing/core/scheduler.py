@@ -15,6 +15,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -162,6 +163,9 @@ class Scheduler:
         self.barrier = barrier  # naive dispatchers: every parked request each step
         self.holdback = holdback  # shared-prefix admission hold-back (cursors only)
         self.lock = threading.RLock()
+        # Guards every request's delivery fields (Request.lock of an engine's requests): a
+        # step hands out its tokens under one acquire.
+        self.delivery_lock = threading.RLock()
         self.stats = Stats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # on the small side, ready for its next step
@@ -395,17 +399,20 @@ class Scheduler:
         kind: int,
         after: PreparedForward | None,
         ahead: dict[int, int],
+        source: np.ndarray | None = None,
     ) -> RowPlan:
         """Where each row's tokens of this step start and end (chunk_ends under the token
         budget), as arrays: a row continuing the in-flight forward `after` (ahead: id ->
         its row there) takes one token after that row's, or the rest of its prompt after a
         chunk there that stopped short. O(batch) array work; the per-row chunk rule runs only
-        when the pending tokens exceed the budget."""
+        when the pending tokens exceed the budget. source: each row's row in `after`, when the
+        caller knows it (else from ahead)."""
         n = len(batch)
         handles = [r.kv[kind] for r in batch]
-        source = None
-        if ahead and after is not None:
-            source = np.fromiter((ahead.get(id(r), -1) for r in batch), np.int64, n)
+        if not ahead or after is None:
+            source = None
+        elif source is None:
+            source = np.fromiter(map(ahead.get, map(id, batch), repeat(-1)), np.int64, n)
         if source is None or after is None:
             starts = np.fromiter((h.length for h in handles), np.int64, n)
             fulls = np.fromiter((r.n for r in batch), np.int64, n)
@@ -434,18 +441,20 @@ class Scheduler:
         deferred: list[Request],
         after: PreparedForward | None = None,
         ahead: dict[int, int] | None = None,
+        source: np.ndarray | None = None,
     ) -> PreparedForward | None:
         """Attach, make room and allocate; the batch becomes busy. Requests the token budget
         gives nothing this step leave the batch for `deferred` (the caller lists them again;
         one continuing `after` is not listed: it stays busy there, and goes on once that
         finishes). ahead: id(request) -> its row in the in-flight forward `after` it
-        continues (those are busy already). On an allocator or tree error the batch fails
-        (released), never leaks."""
+        continues (those are busy already); source: each row's row there (-1: none), when the
+        caller knows it. On an allocator or tree error the batch fails (released), never
+        leaks."""
         side = self.sides[kind]
         ahead = ahead or {}
         try:
             attach_all(batch if not ahead else [r for r in batch if id(r) not in ahead], kind)
-            plan = self._plan(batch, kind, after, ahead)
+            plan = self._plan(batch, kind, after, ahead, source)
             if side.pool.available < plan.need:  # evict, or preempt (rare: plan again after)
                 rows = len(batch)
                 self.make_room(
@@ -470,7 +479,10 @@ class Scheduler:
             self.fail(batch + deferred, e)
             deferred.clear()
             return None
-        fresh = [r for r in batch if id(r) not in ahead]
+        if plan.source is None:
+            fresh = batch
+        else:
+            fresh = [batch[i] for i in np.flatnonzero(plan.source < 0).tolist()]
         for r in fresh:
             r.busy_model = kind
         self.busy += fresh
@@ -498,23 +510,35 @@ class Scheduler:
         if batch:  # the ready ones leave the running list (a busy request is never on it)
             chosen = {id(r) for r in batch}
             self.running = [r for r in self.running if id(r) not in chosen]
-        if after is not None:
-            live = after.live()
+        source = None  # each row's row in `after` (-1: none), once a row continues it
+        if after is not None and len(batch) < cap:
             # A chunk short of its end goes on with the next chunk; a drawn token, when there
             # is room for one after it (its place is kv_lens: the step before `after` is
-            # committed).
-            goes_on = (after.incomplete | (after.kv_lens + 1 < after.facts.limit)).tolist()
-            for i, r in enumerate(after.batch):
-                if len(batch) >= cap:
-                    break
-                if live[i] and goes_on[i] and not r.abort_requested:
-                    ahead[id(r)] = i
-                    batch.append(r)
+            # committed). As arrays: this runs once per request per step.
+            prev = after.batch
+            goes_on = after.incomplete | (after.kv_lens + 1 < after.facts.limit)
+            goes_on &= np.fromiter(
+                (r.finished_reason is None and not r.abort_requested for r in prev),
+                np.bool_,
+                len(prev),
+            )
+            if after.dropped:
+                goes_on[list(after.dropped)] = False
+            rows = np.flatnonzero(goes_on)[: cap - len(batch)]
+            if len(rows):
+                if len(rows) == len(prev):
+                    went_on: Sequence[Request] = prev
+                else:
+                    went_on = [prev[i] for i in rows.tolist()]
+                ahead = dict(zip(map(id, went_on), rows.tolist(), strict=True))
+                source = np.full(len(batch) + len(rows), -1, np.int64)
+                source[len(batch) :] = rows
+                batch += went_on
         if not batch:
             return None
         deferred: list[Request] = []  # left out by the token budget: next step, first
         try:
-            prep = self._prepare(batch, SMALL, deferred, after, ahead)
+            prep = self._prepare(batch, SMALL, deferred, after, ahead, source)
         except WaitForMemory:
             self.running += [r for r in batch if id(r) not in ahead]
             raise
@@ -539,7 +563,9 @@ class Scheduler:
         nxt, prep.successor = prep.successor, None
         cont: dict[int, int] = {}  # id(request) -> its row in nxt
         if nxt is not None and nxt.ahead is not None:
-            cont = {id(nxt.batch[i]): i for i in np.flatnonzero(nxt.ahead).tolist()}
+            rows = np.flatnonzero(nxt.ahead).tolist()
+            went_on = nxt.batch if len(rows) == len(nxt.batch) else [nxt.batch[i] for i in rows]
+            cont = dict(zip(map(id, went_on), rows, strict=True))
         live = prep.live()
         done = [r for r, ok in zip(prep.batch, live, strict=True) if ok and id(r) not in cont]
         self._unbusy(done)  # those continuing in nxt stay busy there
@@ -595,35 +621,44 @@ class Scheduler:
                 raise
             return []
 
-        # Per row, as _each does (one that raises ends alone; an interrupt ends the rest),
-        # written out: this loop runs once per request per small step.
-        batch = prep.batch
-        skip = prep.incomplete.tolist()
+        # The rows to finish: not a chunk short of its end, not dropped, not ended meanwhile;
+        # each parks (escalated) or takes its token. Sorted out as arrays: only the parked
+        # and the failed (few) are visited one by one before the tokens are committed.
+        ok = np.asarray(live, dtype=np.bool_) & ~prep.incomplete
+        for i in failed:  # its row could not be sampled: it ends alone, with that
+            if ok[i] and prep.batch[i].finished_reason is None:
+                ok[i] = False
+                self.fail([prep.batch[i]], failed[i])
+                leave_next(prep.batch[i])
+        esc = np.asarray(escalate, dtype=np.bool_)
         try:
-            for i, r in enumerate(batch):
-                if skip[i] or not live[i] or r.finished_reason is not None:
-                    continue  # a chunk short of its end, dropped, or ended meanwhile
-                try:
-                    if i in failed:  # its row could not be sampled: it ends alone, with that
-                        raise failed[i]
-                    if escalate[i]:  # park: the small token is discarded and never fed
-                        leave_next(r)
-                        r.kv[SMALL].park(r.seq)
-                        r.parked_at = now
-                        parked.append(r)
-                        st.escalations += 1
-                    elif self.commit_token(r, tokens[i], SMALL, now):
-                        leave_next(r)
-                    elif id(r) not in cont:
-                        self.running.append(r)
+            for i in np.flatnonzero(ok & esc).tolist():
+                r = prep.batch[i]
+                if r.finished_reason is not None:
+                    continue
+                try:  # park: the small token is discarded and never fed
+                    leave_next(r)
+                    r.kv[SMALL].park(r.seq)
+                    r.parked_at = now
+                    parked.append(r)
+                    st.escalations += 1
                 except Exception as e:
                     self.fail([r], e)
                     leave_next(r)
-                except BaseException as e:
-                    self.fail(batch[i:], e)
-                    raise
         finally:
             self.parked += parked
+        take = ok & ~esc
+        if take.all():
+            batch, taken = prep.batch, tokens
+        else:
+            rows = np.flatnonzero(take).tolist()
+            batch, taken = [prep.batch[i] for i in rows], [tokens[i] for i in rows]
+        for r in self.commit_tokens(batch, taken, SMALL, now):
+            leave_next(r)
+        if cont:
+            self.running += [r for r in batch if r.finished_reason is None and id(r) not in cont]
+        else:
+            self.running += [r for r in batch if r.finished_reason is None]
         return parked
 
     # ------------------------------------------------------------ large model
@@ -760,16 +795,74 @@ class Scheduler:
         else:
             reason = None
         with r.lock:
-            if not r.abort_requested:  # nothing is delivered after abort() returned
-                r.tokens.append(token)
-                r.token_models.append(model)
-                r.token_times.append(now)
-                r.ending = reason  # from here on abort() is a no-op
+            self._deliver(r, token, model, now, reason)
         self.touched.append(r)
         if reason is not None or r.abort_requested:
             self.finish(r, reason or "abort")
             return True
         return False
+
+    def commit_tokens(
+        self, batch: Sequence[Request], tokens: Sequence[int], model: int, now: float
+    ) -> list[Request]:
+        """Appends tokens[i] to batch[i] and hands it to its caller, for a step's rows at once
+        (one acquire of the delivery lock, the counters once: this runs once per request per
+        step); returns the requests that finished (released). One that raises ends alone,
+        as in _each; an interrupt ends the rest of the batch too, then propagates."""
+        shared = self.delivery_lock
+        ended: list[tuple[Request, str | None]] = []
+        k = count = 0
+        try:
+            with shared:
+                for k, r in enumerate(batch):
+                    if r.finished_reason is not None:
+                        continue
+                    try:
+                        token = tokens[k]
+                        n = r.n
+                        r.seq[n] = token
+                        r.n = n = n + 1
+                        count += 1
+                        if token in r.stop_token_ids:
+                            reason: str | None = "stop"
+                        elif n - r.prompt_len >= r.max_new_tokens:
+                            reason = "length"
+                        else:
+                            reason = None
+                        if r.lock is shared:  # _deliver, inline: once per row per step
+                            if not r.abort_requested:
+                                r.tokens.append(token)
+                                r.token_models.append(model)
+                                r.token_times.append(now)
+                                r.ending = reason
+                        else:  # a request made outside an engine keeps its own lock
+                            with r.lock:
+                                self._deliver(r, token, model, now, reason)
+                        self.touched.append(r)
+                        if reason is not None or r.abort_requested:
+                            ended.append((r, reason))
+                    except Exception as e:
+                        self.fail([r], e)
+        except BaseException as e:
+            self.fail(batch[k:], e)
+            raise
+        finally:
+            self.stats.tokens += count
+            if model == LARGE:
+                self.stats.large_tokens += count
+        for r, reason in ended:
+            self.finish(r, reason or "abort")
+        return [r for r, _ in ended]
+
+    @staticmethod
+    def _deliver(r: Request, token: int, model: int, now: float, reason: str | None) -> None:
+        """Under r's lock: nothing is delivered after abort() returned; once its last token is
+        (reason set), abort() is a no-op."""
+        if not r.abort_requested:
+            r.tokens.append(token)
+            r.token_models.append(model)
+            r.token_times.append(now)
+            r.ending = reason
 
     def take_touched(self) -> list[Request]:
         out, self.touched = self.touched, []

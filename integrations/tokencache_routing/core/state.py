@@ -95,6 +95,7 @@ class Request:
         max_new_tokens: int,
         sampling: SamplingParams,
         stop_token_ids: frozenset[int],
+        lock: threading.RLock | None = None,
     ) -> None:
         self.rid = rid
         self.route_key = route_key  # what routers see as the request id (RouterFeatures.rids)
@@ -120,8 +121,9 @@ class Request:
         # delivery to the caller
         # Guards the delivery fields. A plain lock, not a condition: nobody blocks on a
         # request (waits poll, RoutedEngine._progress; listeners are called), so a commit
-        # pays for no notify.
-        self.lock = threading.RLock()
+        # pays for no notify. An engine's requests share one (Scheduler.delivery_lock), so a
+        # step delivers all its tokens under one acquire.
+        self.lock = threading.RLock() if lock is None else lock
         self.tokens: list[int] = []
         self.token_models: list[int] = []
         self.finished_reason: str | None = None
