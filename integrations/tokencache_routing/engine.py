@@ -49,7 +49,7 @@ from .config import (
 from .core.batch import PreparedForward
 from .core.kv import CursorKV, ModelSide
 from .core.routers import Router
-from .core.scheduler import Scheduler, SchedulerConfig
+from .core.scheduler import MeasuredPrices, Price, Scheduler, SchedulerConfig
 from .core.state import (
     GREEDY,
     LARGE,
@@ -213,6 +213,7 @@ class RoutedEngine:
             barrier=dispatch != "tokencache",
             holdback=dispatch == "tokencache",
         )
+        self.sched.prices = self.launch_prices()
         # A request needs at most prompt + max_new_tokens - 1 slots in each model, and positions
         # within both models' context windows.
         positions = min(small.config.max_position_embeddings, large.config.max_position_embeddings)
@@ -701,6 +702,44 @@ class RoutedEngine:
         clock = self.gpu_clock
         if clock is not None and clock.shared_prefix:
             prep.host.candidate_groups()
+
+    def launch_prices(self) -> Price:
+        """What SchedulerConfig(launch="cost") prices holes and catch-ups with (both drivers):
+        the GPU clock's model of a forward (shared prefixes not modelled: every row reads its
+        slot list) plus the host time the clock charges for it (host_charge "serial" or
+        "overlap"; the averages so far: Stats.small_host_s per small step, the rest of
+        Stats.host_s per catch-up), so that a host-bound step's fixed cost counts as the
+        weight read does; the step clock's constants (a small step 1, a catch-up
+        large_step_cost); or, on the measured clock, MeasuredPrices learning from the
+        forwards' measured times."""
+        clock, step_cost = self.gpu_clock, self.large_step_cost
+        if clock is None and self.clock == "steps":
+
+            def steps(kind: int, batch: int, _tokens: int, _kv: int) -> float:
+                return 0.0 if batch <= 0 else 1.0 if kind == SMALL else step_cost
+
+            return steps
+        if clock is None:
+            return MeasuredPrices()
+        if self.host_charge == "trees":
+            return clock.forward_s
+        gpu, st = clock, self.sched.stats
+        overlapped = self.overlap or self.host_charge == "overlap"
+
+        def priced(kind: int, batch: int, tokens: int, kv: int) -> float:
+            device = gpu.forward_s(kind, batch, tokens, kv)
+            if batch <= 0:
+                return device
+            per_step = st.small_host_s / st.steps if st.steps else 0.0
+            if kind == SMALL:  # overlapped, a step costs the slower of its host and device
+                return max(device, per_step) if overlapped else device + per_step
+            n = len(st.catchup_batch_sizes)
+            host = (st.host_s - st.small_host_s) / n if n else 0.0
+            # On one device a catch-up is serial: its own host time, and (overlapped) the
+            # next small step's preparation, which the device then waits for.
+            return device + host + (per_step if overlapped else 0.0)
+
+        return priced
 
     def forward_cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
         """The forward's device cost on the engine clock (measured_s: its measured device

@@ -252,6 +252,7 @@ def run(
         max_wait_s=a.max_wait_ms / 1e3,
         min_occupancy=a.min_occupancy,
         max_parked=a.max_parked,
+        launch=getattr(a, "launch", "threshold"),
         **chunking,
     )
     # Each system prompt once, each admitted request's own tokens, room for the cache to work.
@@ -573,13 +574,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="print the per-step breakdown over the last this many small steps (default: 128 "
         "for reasoning and long-input, off for shared-prompt)",
     )
+    ap.add_argument(
+        "--launch",
+        choices=["threshold", "cost"],
+        default="threshold",
+        help="SchedulerConfig.launch: when a catch-up launches on one device: threshold "
+        "(--min-large-batch, --max-wait, --min-occupancy) or cost (when the holes' accumulated "
+        "cost on the clock reaches a catch-up's fixed cost; --max-wait then caps the wait, "
+        "default no cap)",
+    )
     ap.add_argument("--min-large-batch", type=int, default=32)
-    ap.add_argument("--max-wait", type=int, default=8, help="max wait in small steps")
+    ap.add_argument(
+        "--max-wait",
+        type=int,
+        default=None,
+        help="max wait in small steps (default 8; with --launch cost 0: no cap)",
+    )
     ap.add_argument("--min-occupancy", type=float, default=0.8, help="SchedulerConfig's")
     ap.add_argument(
         "--max-parked", type=int, default=None, help="SchedulerConfig's (default: max-running)"
     )
-    ap.add_argument("--max-wait-ms", type=float, default=5.0, help="threaded: max wait (ms)")
+    ap.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=None,
+        help="threaded: max wait (ms; default 5; with --launch cost 0: no cap)",
+    )
     ap.add_argument(
         "--chunked-prefill",
         type=int,
@@ -651,6 +671,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--large-tp prices the h200-roofline profile only (a measured fit is one GPU's)")
     if a.stub_device and (a.clock != "gpu" or "threaded" in a.dispatches):
         ap.error("--stub-device needs --clock gpu and no threaded rows (their time is wall time)")
+    cost = a.launch == "cost"
+    if a.max_wait is None:
+        a.max_wait = 0 if cost else 8
+    if a.max_wait_ms is None:
+        a.max_wait_ms = 0.0 if cost else 5.0
     if a.quick:
         a.contexts, a.rates, a.max_running, a.min_large_batch = [96], [0.1], 4, 2
     a.points = resolve(a)  # fills the workload's defaults in
@@ -659,6 +684,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.concurrency = a.concurrency or [a.max_running]
     a.progress = True
     return a
+
+
+def launch_note(args: dict[str, Any]) -> str:
+    """The launch policy the runs used (SchedulerConfig.launch and its knobs)."""
+    if args.get("launch", "threshold") == "cost":
+        cap = args["max_wait"]
+        return f"launch cost (ski rental on the clock's prices), max_wait {cap or 'none'}"
+    return (
+        f"min_large_batch {args['min_large_batch']}, max_wait {args['max_wait']} steps, "
+        f"min_occupancy {args['min_occupancy']}"
+    )
 
 
 def chunk_note(rows: Sequence[Row]) -> str:
@@ -833,8 +869,7 @@ def report(rows: list[Row], args: dict[str, Any]) -> None:
     print(
         f"clock: {clock} + bookkeeping measured here ({host_note(rows)}{stub}); threaded rows: "
         f"wall time on this CPU. {n_text}, {'/'.join(map(str, news))} new tokens each, "
-        f"min_large_batch {args['min_large_batch']}, max_wait {args['max_wait']} steps, "
-        f"min_occupancy {args['min_occupancy']}, topology {args['topology']}, "
+        f"{launch_note(args)}, topology {args['topology']}, "
         f"{k} system prompt{'s' if k > 1 else ''}, {chunk_note(rows)}"
     )
     for w in args["workloads"]:
