@@ -282,6 +282,7 @@ class Scheduler:
         # catch-up (hole_loss_s, ski rental).
         self.prices: Price | None = None
         self.hole_loss_s = 0.0
+        self._large_cached: dict[int, int] = {}  # id(parked request) -> large tree's prefix
 
     # ------------------------------------------------------------ state
 
@@ -324,9 +325,20 @@ class Scheduler:
         if price is None:
             return 0.0
         batch = self.parked[: self.cfg.max_large_batch or len(self.parked)]
-        ctx = [r.kv[LARGE].length if len(r.kv) > LARGE else 0 for r in batch]
+        ctx = [self._large_context(r) for r in batch]
         tokens = sum(r.n for r in batch) - sum(ctx)
         return catchup_fixed_s(price, len(batch), max(tokens, len(batch)), sum(ctx))
+
+    def _large_context(self, r: Request) -> int:
+        """The tokens of r the large model holds KV for: its handle's length, or before its
+        first catch-up what the large tree has cached of its prompt (a shared system prompt:
+        matched once per request, kept until the next launch)."""
+        if len(r.kv) > LARGE and r.kv[LARGE].attached:
+            return r.kv[LARGE].length
+        known = self._large_cached.get(id(r))
+        if known is None:
+            known = self._large_cached[id(r)] = self._cached_len(LARGE)(r)
+        return known
 
     def _charge_holes(self, prep: PreparedForward, could_run: int) -> None:
         """launch="cost": add what this small step loses to the places parked requests leave
@@ -804,6 +816,7 @@ class Scheduler:
         if prep is not None:
             self.stats.large_held_back += len(held)
             self.hole_loss_s = 0.0  # ski rental: bought; the holes from here on count anew
+            self._large_cached.clear()
         return prep
 
     def finish_large(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:
