@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -298,10 +299,22 @@ class RoutedEngine:
         sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (),
         route_key: int | None = None,
+        arrival_s: float | None = None,
     ) -> RequestHandle:
         """Queues a request and returns its handle; validated here, before any work.
-        route_key: the id routers see (RouterFeatures.rids); defaults to the handle's rid."""
+        route_key: the id routers see (RouterFeatures.rids); defaults to the handle's rid.
+        arrival_s: the engine-clock time the request arrives (event-loop driver only; None:
+        now): the event loop admits it no sooner (the small model idles until then when it
+        has nothing else to run) and its TTFT counts from then. Benchmarks submit a whole
+        arrival schedule at once with it, in arrival order (admission is FCFS)."""
         req = self._make_request(prompt, max_new_tokens, sampling, stop_token_ids, route_key)
+        if arrival_s is not None:
+            a = arrival_s
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
+                raise ValueError(f"arrival_s must be a finite number, got {a!r}")
+            if self.mode != "events":
+                raise ValueError("arrival_s needs the event-loop driver (mode='events')")
+            req.submitted_at = float(a)
         self._enqueue([req])
         assert req.handle is not None
         return req.handle
