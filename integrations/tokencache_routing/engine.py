@@ -720,9 +720,9 @@ class RoutedEngine:
         """What SchedulerConfig(launch="cost") prices holes and catch-ups with (both drivers):
         the GPU clock's model of a forward (shared prefixes not modelled: every row reads its
         slot list) plus the host time the clock charges for it (host_charge "serial" or
-        "overlap"; the averages so far: Stats.small_host_s per small step, the rest of
-        Stats.host_s per catch-up), so that a host-bound step's fixed cost counts as the
-        weight read does; the step clock's constants (a small step 1, a catch-up
+        "overlap"; the average so far, Stats.small_host_s per small step: a catch-up then
+        waits for the next step's preparation), so that a host-bound step's fixed cost counts
+        as the weight read does; the step clock's constants (a small step 1, a catch-up
         large_step_cost); or, on the measured clock, MeasuredPrices learning from the
         forwards' measured times."""
         clock, step_cost = self.gpu_clock, self.large_step_cost
@@ -746,11 +746,10 @@ class RoutedEngine:
             per_step = st.small_host_s / st.steps if st.steps else 0.0
             if kind == SMALL:  # overlapped, a step costs the slower of its host and device
                 return max(device, per_step) if overlapped else device + per_step
-            n = len(st.catchup_batch_sizes)
-            host = (st.host_s - st.small_host_s) / n if n else 0.0
-            # On one device a catch-up is serial: its own host time, and (overlapped) the
-            # next small step's preparation, which the device then waits for.
-            return device + host + (per_step if overlapped else 0.0)
+            # On one device a catch-up is serial: (overlapped) the device then waits for the
+            # next small step's preparation. Its own host work is mostly per row (its rows'
+            # commits and tree extends), not counted.
+            return device + (per_step if overlapped else 0.0)
 
         return priced
 
