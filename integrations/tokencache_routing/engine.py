@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -49,7 +50,7 @@ from .config import (
 from .core.batch import PreparedForward
 from .core.kv import CursorKV, ModelSide
 from .core.routers import Router
-from .core.scheduler import Scheduler, SchedulerConfig
+from .core.scheduler import MeasuredPrices, Price, Scheduler, SchedulerConfig
 from .core.state import (
     GREEDY,
     LARGE,
@@ -213,6 +214,7 @@ class RoutedEngine:
             barrier=dispatch != "tokencache",
             holdback=dispatch == "tokencache",
         )
+        self.sched.prices = self.launch_prices()
         # A request needs at most prompt + max_new_tokens - 1 slots in each model, and positions
         # within both models' context windows.
         positions = min(small.config.max_position_embeddings, large.config.max_position_embeddings)
@@ -297,10 +299,22 @@ class RoutedEngine:
         sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (),
         route_key: int | None = None,
+        arrival_s: float | None = None,
     ) -> RequestHandle:
         """Queues a request and returns its handle; validated here, before any work.
-        route_key: the id routers see (RouterFeatures.rids); defaults to the handle's rid."""
+        route_key: the id routers see (RouterFeatures.rids); defaults to the handle's rid.
+        arrival_s: the engine-clock time the request arrives (event-loop driver only; None:
+        now): the event loop admits it no sooner (the small model idles until then when it
+        has nothing else to run) and its TTFT counts from then. Benchmarks submit a whole
+        arrival schedule at once with it, in arrival order (admission is FCFS)."""
         req = self._make_request(prompt, max_new_tokens, sampling, stop_token_ids, route_key)
+        if arrival_s is not None:
+            a = arrival_s
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
+                raise ValueError(f"arrival_s must be a finite number, got {a!r}")
+            if self.mode != "events":
+                raise ValueError("arrival_s needs the event-loop driver (mode='events')")
+            req.submitted_at = float(a)
         self._enqueue([req])
         assert req.handle is not None
         return req.handle
@@ -704,6 +718,43 @@ class RoutedEngine:
         clock = self.gpu_clock
         if clock is not None and clock.shared_prefix:
             prep.host.candidate_groups()
+
+    def launch_prices(self) -> Price:
+        """What SchedulerConfig(launch="cost") prices holes and catch-ups with (both drivers):
+        the GPU clock's model of a forward (shared prefixes not modelled: every row reads its
+        slot list) plus the host time the clock charges for it (host_charge "serial" or
+        "overlap"; the average so far, Stats.small_host_s per small step: a catch-up then
+        waits for the next step's preparation), so that a host-bound step's fixed cost counts
+        as the weight read does; the step clock's constants (a small step 1, a catch-up
+        large_step_cost); or, on the measured clock, MeasuredPrices learning from the
+        forwards' measured times."""
+        clock, step_cost = self.gpu_clock, self.large_step_cost
+        if clock is None and self.clock == "steps":
+
+            def steps(kind: int, batch: int, _tokens: int, _kv: int) -> float:
+                return 0.0 if batch <= 0 else 1.0 if kind == SMALL else step_cost
+
+            return steps
+        if clock is None:
+            return MeasuredPrices()
+        if self.host_charge == "trees":
+            return clock.forward_s
+        gpu, st = clock, self.sched.stats
+        overlapped = self.overlap or self.host_charge == "overlap"
+
+        def priced(kind: int, batch: int, tokens: int, kv: int) -> float:
+            device = gpu.forward_s(kind, batch, tokens, kv)
+            if batch <= 0:
+                return device
+            per_step = st.small_host_s / st.steps if st.steps else 0.0
+            if kind == SMALL:  # overlapped, a step costs the slower of its host and device
+                return max(device, per_step) if overlapped else device + per_step
+            # On one device a catch-up is serial: (overlapped) the device then waits for the
+            # next small step's preparation. Its own host work is mostly per row (its rows'
+            # commits and tree extends), not counted.
+            return device + (per_step if overlapped else 0.0)
+
+        return priced
 
     def forward_cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
         """The forward's device cost on the engine clock (measured_s: its measured device

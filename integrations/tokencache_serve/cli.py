@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from . import DEFAULT_MODEL_NAME
 from .apikey import API_KEY_ENV, api_key
@@ -243,11 +243,20 @@ def token_budget(text: str) -> int:
     return n
 
 
-def chunk_options(a: argparse.Namespace) -> dict[str, int]:
+class ChunkOptions(TypedDict, total=False):
+    chunked_prefill_size: int
+    large_chunked_prefill_size: int
+
+
+def chunk_options(a: argparse.Namespace) -> ChunkOptions:
     """The chunked-prefill budgets given on the command line, as SchedulerConfig keywords (a
     budget not given keeps the engine's default)."""
-    names = ("chunked_prefill_size", "large_chunked_prefill_size")
-    return {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+    out = ChunkOptions()
+    if a.chunked_prefill_size is not None:
+        out["chunked_prefill_size"] = a.chunked_prefill_size
+    if a.large_chunked_prefill_size is not None:
+        out["large_chunked_prefill_size"] = a.large_chunked_prefill_size
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

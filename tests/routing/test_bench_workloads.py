@@ -4,6 +4,7 @@ systems, and a breakdown whose parts add up to the engine clock."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -217,3 +218,49 @@ def test_tpot_is_per_request_and_itl_per_token(tmp_path: Path) -> None:
     assert (loaded.itl_p50_ms, loaded.itl_p99_ms) == (row["itl_p50_ms"], row["itl_p99_ms"])
     assert math.isnan(loaded.tpot_p50_ms) and math.isnan(loaded.tpot_p99_ms)
     assert loaded.extra["itl_small_p99_ms"] == row["extra"]["itl_small_p99_ms"]
+
+
+def test_arrival_times_are_a_seeded_poisson_schedule() -> None:
+    """--arrival-rate: the first request at 0, exponential gaps of mean 1 / rate, one seed one
+    schedule; rate 0 is the historical all-at-once shape; a bad rate is refused."""
+    from tokencache_routing.tools.bench_workloads import arrival_times
+
+    assert arrival_times(4, 0.0, 0) == [0.0] * 4
+    t = arrival_times(2000, 50.0, 7)
+    assert t[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(t))
+    assert t == arrival_times(2000, 50.0, 7) and t != arrival_times(2000, 50.0, 8)
+    assert t[-1] / 1999 == pytest.approx(1 / 50, rel=0.1)  # mean gap
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="arrival rate"):
+            arrival_times(3, bad, 0)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--arrival-rate", "-2"])
+
+
+def test_staggered_arrivals_land_prefills_among_decoding_rows(tmp_path: Path) -> None:
+    """A request submitted with a later arrival_s is admitted no sooner and its TTFT counts
+    from it; in the bench the late requests' prefills meet decoding rows (the first request's
+    tokens straddle the last arrival)."""
+    args = ["--quick", "--workload", "long-input", "--dispatches", "tokencache", "--no-bounds"]
+    bench.main([*args, "--arrival-rate", "100", "--profile", "h200-roofline",
+                "--out", str(tmp_path)])  # fmt: skip
+    (row,) = _rows(tmp_path)
+    assert row["extra"]["arrival_rate"] == 100 and row["tokens"] == 4 * 12
+
+    from routing_helpers import make_prompts, tiny_config
+
+    from tokencache_models import random_model
+    from tokencache_routing import RoutedEngine, ScriptedRouter
+
+    small = random_model(tiny_config(1), seed=1, attention_backend="torch").eval()
+    large = random_model(tiny_config(2), seed=2, attention_backend="torch").eval()
+    eng = RoutedEngine(small, large, ScriptedRouter(), 512, clock="steps")
+    p = make_prompts(2, seed=5)
+    first = eng.submit(p[0], 10)
+    late = eng.submit(p[1], 4, arrival_s=5.0)
+    while eng.iterate():
+        pass
+    assert late.submitted_at == 5.0 and late.token_times[0] > 5.0
+    assert first.token_times[0] < 5.0 < first.token_times[-1]  # it arrived mid-decode
+    with pytest.raises(ValueError, match="arrival_s"):
+        eng.submit(p[0], 2, arrival_s=float("nan"))

@@ -15,7 +15,7 @@ from tokencache_routing import (
     reference_generate,
 )
 from tokencache_routing.baselines.reference import decide_from_models
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import LaunchPolicy, SchedulerConfig
 
 DISPATCH = ["tokencache", "naive"]
 
@@ -35,13 +35,22 @@ def test_scripted_positions(pair: Any, dispatch: str, script: dict[int, list[int
     check(pair, router, router.decide, prompts, 10, num_slots=512, dispatch=dispatch)
 
 
+@pytest.mark.parametrize("launch", ["threshold", "cost"])
 @pytest.mark.parametrize("dispatch", DISPATCH)
 @pytest.mark.parametrize("p,seed", [(0.1, 0), (0.3, 1), (0.5, 2), (0.2, 7)])
-def test_bernoulli(pair: Any, dispatch: str, p: float, seed: int) -> None:
+def test_bernoulli(pair: Any, dispatch: str, p: float, seed: int, launch: LaunchPolicy) -> None:
     router = BernoulliRouter(p, seed=seed)
     prompts = make_prompts(5, seed=10 + seed)
+    sched = SchedulerConfig(launch=launch)
     _, res = check(
-        pair, router, bernoulli_decide(router), prompts, 12, num_slots=512, dispatch=dispatch
+        pair,
+        router,
+        bernoulli_decide(router),
+        prompts,
+        12,
+        num_slots=512,
+        dispatch=dispatch,
+        scheduler=sched,
     )
     # The large model prefills each token at most once: only what was written since its cursor.
     if dispatch == "tokencache":
@@ -180,3 +189,30 @@ def test_slow_large_model_no_barrier(pair: Any, cost: float, num_slots: int) -> 
     # Modelled on the step clock (no wall time): without a barrier the small model waits less.
     assert fast.stats.small_idle_s < naive.stats.small_idle_s
     assert fast.stats.modeled_s < naive.stats.modeled_s
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+@pytest.mark.parametrize("clock", ["steps", "measured", "gpu"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cost_launch_policy_is_exact(pair: Any, mode: str, clock: str, overlap: bool) -> None:
+    """SchedulerConfig(launch="cost") on every clock's prices (the step clock's constants,
+    measured forward times, the GPU clock's model), both drivers: catch-ups wait for bigger
+    batches and the tokens stay the reference's, under memory pressure too."""
+    router = BernoulliRouter(0.2, seed=41)
+    prompts = make_prompts(10, seed=41, shared=6, lo=2, hi=8)
+    sched = SchedulerConfig(max_running=6, max_parked=2, launch="cost")
+    for num_slots in (1024, 64):
+        _, res = check(
+            pair,
+            router,
+            bernoulli_decide(router),
+            prompts,
+            14,
+            num_slots=num_slots,
+            scheduler=sched,
+            clock=clock,
+            mode=mode,
+            overlap=overlap,
+        )
+        if mode == "events" and clock != "measured":
+            assert max(res.stats.catchup_batch_sizes) > 1  # it waited for bigger catch-ups

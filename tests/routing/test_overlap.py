@@ -162,8 +162,9 @@ def _pure_decode(pair: Any, overlap: bool) -> Any:
 def test_the_clock_charges_only_the_host_time_the_device_waits_for(pair: Any) -> None:
     """Without overlap the device waits for all the host's work (device_idle = host time);
     with it only for what the host takes beyond each step's device time: less than all of it,
-    so the clock runs less than the serial charge of the same run's times. Each run is compared with its own measured host time
-    (two runs' host times differ on a loaded machine)."""
+    so the clock runs less than the serial charge of the same run's times. Each run is
+    compared with its own measured host time (two runs' host times differ on a loaded
+    machine)."""
     serial, overlapped = _pure_decode(pair, False), _pure_decode(pair, True)
     assert serial.tokens == overlapped.tokens and overlapped.dropped_rows == 0
     assert serial.device_idle_s == pytest.approx(serial.small_host_s)

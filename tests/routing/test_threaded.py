@@ -9,15 +9,25 @@ import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts, no_worker_threads
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, Router, ScriptedRouter
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler import LaunchPolicy, SchedulerConfig
 
 
+@pytest.mark.parametrize("launch", ["threshold", "cost"])
 @pytest.mark.parametrize("p,seed", [(0.1, 0), (0.3, 1), (0.5, 2), (0.2, 3)])
 @pytest.mark.parametrize("num_slots", [1024, 56])
-def test_threaded_bernoulli(pair: Any, p: float, seed: int, num_slots: int) -> None:
+def test_threaded_bernoulli(
+    pair: Any, p: float, seed: int, num_slots: int, launch: LaunchPolicy
+) -> None:
     router = BernoulliRouter(p, seed=seed)
     prompts = make_prompts(7, seed=30 + seed, shared=8, lo=2, hi=7)
-    sched = SchedulerConfig(max_running=5, min_large_batch=3, max_wait_s=0.002)
+    # launch="cost": no wait cap, the step clock's prices (a hole 1/5 of a step, a catch-up 1)
+    wait = 0.002 if launch == "threshold" else 0.0
+    sched = SchedulerConfig(
+        max_running=5,
+        min_large_batch=3,
+        max_wait_s=wait,
+        launch=launch,
+    )
     check(
         pair,
         router,

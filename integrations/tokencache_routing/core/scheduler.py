@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -36,6 +37,78 @@ from .kv import KVHandle, ModelSide
 from .routers import Router
 from .sampling import draw, route
 from .state import LARGE, SMALL, Request, Stats
+
+LaunchPolicy = Literal["threshold", "cost"]
+LAUNCH_POLICIES: tuple[str, ...] = get_args(LaunchPolicy)
+
+# What a forward costs on the engine's clock: price(kind, batch, new_tokens, kv_tokens) in
+# seconds (or the step clock's units). The engine builds it from its clock (RoutedEngine,
+# launch_prices): the GPU clock's model, the step clock's constants, or MeasuredPrices.
+Price = Callable[[int, int, int, int], float]
+
+
+def fixed_part(price: Price, kind: int, rows: int, tokens: int, kv_tokens: int) -> float:
+    """A forward's fixed cost: its price at these rows minus their per-row part, taken as the
+    intercept of the price's linear extension, 2 * P(rows) - P(2 * rows) (tokens and KV
+    doubled too), never below 0. On a linear clock that is its constant; on the roofline a
+    memory-bound forward's weight read (Qwen3-8B: ~5 ms on h200-roofline, Qwen3-0.6B:
+    ~0.4 ms) and 0 for a compute-bound one (a bigger batch saves nothing there)."""
+    if rows <= 0:
+        return 0.0
+    one = price(kind, rows, tokens, kv_tokens)
+    return max(0.0, 2 * one - price(kind, 2 * rows, 2 * tokens, 2 * kv_tokens))
+
+
+def hole_loss_s(
+    price: Price, batch: int, tokens: int, kv_tokens: int, holes: int, hole_kv: int
+) -> float:
+    """What one small step of `batch` rows (tokens new, kv_tokens KV slots read) loses by
+    running with `holes` empty places whose parked requests hold hole_kv slots of context:
+    the time their tokens would take at the full batch's rate, minus what the holes save the
+    step. Their KV is not saved, only deferred (their tokens read it when they come back), so
+    what is lost is the holes' share of the full step's fixed part (fixed_part):
+    holes / (batch + holes) * fixed. Where the parked contexts are the batch's mean that is
+    exactly holes * full / (batch + holes) - (full - now); where they are longer, that
+    difference would count a deferred read as a saving (and could fall to 0: a catch-up
+    that never launches). On a KV-bound step a hole costs little: its share of the weight
+    read (and of the host time the clock charges a step)."""
+    if holes <= 0:
+        return 0.0
+    full = batch + holes
+    return holes / full * fixed_part(price, SMALL, full, tokens + holes, kv_tokens + hole_kv)
+
+
+def catchup_fixed_s(price: Price, rows: int, tokens: int, kv_tokens: int) -> float:
+    """A catch-up's fixed cost (fixed_part of the large model's forward): what launching it
+    pays whatever its rows, the price a hole's accumulated loss is weighed against."""
+    return fixed_part(price, LARGE, rows, tokens, kv_tokens)
+
+
+class MeasuredPrices:
+    """Prices from measured forward times, for clocks without a model of their own
+    (clock="measured", the threaded driver's wall clock): a small step costs the moving
+    average of the recent small steps (a GPU decode step costs about the same at any batch;
+    what a hole saves is not modelled, so holes look dearer and catch-ups launch sooner) and a
+    catch-up the least one measured so far (the smallest catch-ups are mostly the fixed cost),
+    nothing before the first (the first parked request then launches at once)."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.small_s: float | None = None
+        self.large_s: float | None = None
+
+    def observe(self, kind: int, seconds: float) -> None:
+        if kind == SMALL:
+            old = self.small_s
+            self.small_s = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        else:
+            self.large_s = seconds if self.large_s is None else min(self.large_s, seconds)
+
+    def __call__(self, kind: int, batch: int, tokens: int, kv_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        seen = self.small_s if kind == SMALL else self.large_s
+        return seen or 0.0
 
 
 def _check_int(name: str, v: object, lo: int) -> None:
@@ -74,7 +147,20 @@ class SchedulerConfig:
     without it (8 ms, the KV read hides the chunk's FLOPs), and any chunk of 256 tokens or more
     is compute-bound already (a bigger one saves nothing); a 2048-token catch-up chunk of
     Qwen3-8B costs 51 ms, a one-device stall that a smaller large_chunked_prefill_size
-    shortens (BENCHMARKS.md, "Chunked prefill")."""
+    shortens (BENCHMARKS.md, "Chunked prefill").
+    launch: "threshold" (default), the rules above; "cost", decided from the engine clock's
+    prices instead of knobs (ski rental): at each small step the scheduler adds what the
+    parked requests' unrefilled places cost that step (hole_loss_s: their share of the step's
+    fixed part, the weight read and host time a hole wastes; their KV reads are deferred, not
+    saved) and launches a catch-up once that sum reaches the catch-up's fixed cost
+    (catchup_fixed_s: the large model's weight read on the roofline, plus the host time the
+    clock charges a catch-up), then starts again from 0. Hard triggers as before: nothing
+    else to run, a catch-up chunk not finished, the large model on its own device; also
+    max_large_batch parked, and max_wait_steps / max_wait_s when > 0 (a latency cap; 0:
+    none).
+    min_large_batch and min_occupancy do not apply. While the queue refills parked places
+    nothing is lost and the catch-up waits (until max_parked are parked, then places go
+    empty). BENCHMARKS.md, "The cost launch policy"."""
 
     max_running: int = 32
     min_large_batch: int = 1
@@ -85,8 +171,13 @@ class SchedulerConfig:
     min_occupancy: float = 0.8
     chunked_prefill_size: int = 2048
     large_chunked_prefill_size: int | None = None
+    launch: LaunchPolicy = "threshold"
 
     def __post_init__(self) -> None:
+        if self.launch not in LAUNCH_POLICIES:
+            raise ValueError(
+                f"SchedulerConfig.launch must be one of {LAUNCH_POLICIES}, got {self.launch!r}"
+            )
         _check_int("max_running", self.max_running, 1)
         _check_int("chunked_prefill_size", self.chunked_prefill_size, 0)
         if self.large_chunked_prefill_size is not None:
@@ -114,6 +205,13 @@ class SchedulerConfig:
         parked = self.max_running if self.max_parked is None else self.max_parked
         return self.max_running + parked
 
+    def waited_out(self, waited: float, cap: float) -> bool:
+        """The oldest parked request has waited its maximum (`cap`: max_wait_steps, or
+        max_wait_s in the threaded driver). Under launch="cost" a cap of 0 is none."""
+        if self.launch == "cost" and cap <= 0:
+            return False
+        return waited >= cap
+
     def launch_large(
         self,
         num_parked: int,
@@ -121,18 +219,26 @@ class SchedulerConfig:
         num_on_small: int,
         num_admitted: int,
         own_device: bool = False,
+        hole_loss_s: float = 0.0,
+        fixed_s: float = 0.0,
     ) -> bool:
         """Launch a catch-up now (the large model is idle)? num_on_small: requests holding a
         place in the small batch (Scheduler.num_on_small); num_admitted: admitted unfinished
         requests, parked included; waited_out: the oldest parked request has waited its
         maximum; own_device: the large model runs on a device of its own, so a catch-up
         stalls nobody and waiting for a bigger one only delays it (an idle large device
-        is free; while it is busy, parked requests gather into the next batch anyway)."""
+        is free; while it is busy, parked requests gather into the next batch anyway).
+        launch="cost": hole_loss_s, what the holes cost the small model since the last
+        catch-up, against fixed_s, the next catch-up's fixed cost."""
         if num_parked == 0:
             return False
-        if own_device or num_on_small == 0:
+        if own_device or num_on_small == 0 or waited_out:
             return True
-        if num_parked >= self.min_large_batch or waited_out:
+        if self.launch == "cost":
+            if self.max_large_batch is not None and num_parked >= self.max_large_batch:
+                return True
+            return hole_loss_s >= fixed_s
+        if num_parked >= self.min_large_batch:
             return True
         could_run = min(self.max_running, num_admitted)
         return num_on_small < self.min_occupancy * could_run
@@ -175,6 +281,12 @@ class Scheduler:
         self.admit_blocked = False
         self.admitted = 0
         self.touched: list[Request] = []  # requests with news for their listeners
+        # launch="cost": the engine's prices (RoutedEngine sets them; None: every parked
+        # request launches at once) and what holes cost the small model since the last
+        # catch-up (hole_loss_s, ski rental).
+        self.prices: Price | None = None
+        self.hole_loss_s = 0.0
+        self._large_cached: dict[int, int] = {}  # id(parked request) -> large tree's prefix
 
     # ------------------------------------------------------------ state
 
@@ -198,9 +310,59 @@ class Scheduler:
         if not self.parked:  # nothing to catch up (launch_large's first answer, sooner)
             return False
         waited_out = waited_out or any(r.partial_prefill for r in self.parked)
+        cost = self.cfg.launch == "cost"
         return self.cfg.launch_large(
-            len(self.parked), waited_out, self.num_on_small(), self.num_active(), own_device
+            len(self.parked),
+            waited_out,
+            self.num_on_small(),
+            self.num_active(),
+            own_device,
+            self.hole_loss_s,
+            self.catchup_fixed_s() if cost and not waited_out and not own_device else 0.0,
         )
+
+    def catchup_fixed_s(self) -> float:
+        """The fixed cost of a catch-up of the parked requests now (catchup_fixed_s at their
+        rows, tokens to compute and contexts; max_large_batch of them at most), on the
+        engine's prices; 0 without prices."""
+        price = self.prices
+        if price is None:
+            return 0.0
+        batch = self.parked[: self.cfg.max_large_batch or len(self.parked)]
+        ctx = [self._large_context(r) for r in batch]
+        tokens = sum(r.n for r in batch) - sum(ctx)
+        return catchup_fixed_s(price, len(batch), max(tokens, len(batch)), sum(ctx))
+
+    def _large_context(self, r: Request) -> int:
+        """The tokens of r the large model holds KV for: its handle's length, or before its
+        first catch-up what the large tree has cached of its prompt (a shared system prompt:
+        matched once per request, kept until the next launch)."""
+        if len(r.kv) > LARGE and r.kv[LARGE].attached:
+            return r.kv[LARGE].length
+        known = self._large_cached.get(id(r))
+        if known is None:
+            known = self._large_cached[id(r)] = self._cached_len(LARGE)(r)
+        return known
+
+    def _charge_holes(self, prep: PreparedForward, could_run: int) -> None:
+        """launch="cost": add what this small step loses to the places parked requests leave
+        empty (nobody refilled them: up to could_run, the batch target), priced with the
+        parked requests' mean context (hole_loss_s)."""
+        holes = min(len(self.parked), could_run - len(prep.batch))
+        price = self.prices
+        if holes <= 0 or price is None:
+            return
+        mean_ctx = sum(r.n for r in self.parked) / len(self.parked)
+        kv = int(prep.kv_lens.sum())
+        self.hole_loss_s += hole_loss_s(
+            price, len(prep.batch), prep.num_tokens, kv, holes, round(holes * mean_ctx)
+        )
+
+    def observe_forward(self, kind: int, seconds: float) -> None:
+        """A forward's measured time, for prices that learn from them (MeasuredPrices)."""
+        prices = self.prices
+        if isinstance(prices, MeasuredPrices):
+            prices.observe(kind, seconds)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.parked or self.inflight or self.busy)
@@ -551,6 +713,8 @@ class Scheduler:
             could_run = min(self.cfg.max_running, self.num_active())
             self.stats.small_batch_sizes.append(len(prep.batch))
             self.stats.small_batch_capacity.append(max(could_run, len(prep.batch)))
+            if self.parked and self.cfg.launch == "cost":
+                self._charge_holes(prep, could_run)
         return prep
 
     def finish_small(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:
@@ -686,6 +850,8 @@ class Scheduler:
         self.parked = deferred + self.parked
         if prep is not None:
             self.stats.large_held_back += len(held)
+            self.hole_loss_s = 0.0  # ski rental: bought; the holes from here on count anew
+            self._large_cached.clear()
         return prep
 
     def finish_large(self, prep: PreparedForward, out: ForwardOutput, now: float) -> list[Request]:

@@ -169,8 +169,8 @@ class EventLoop:
 
     def _large_due(self) -> bool:
         s = self.sched
-        waited_out = bool(s.parked) and (
-            s.stats.steps - s.parked[0].parked_step >= s.cfg.max_wait_steps
+        waited_out = bool(s.parked) and s.cfg.waited_out(
+            s.stats.steps - s.parked[0].parked_step, s.cfg.max_wait_steps
         )
         return s.launch_due(waited_out, own_device=self.eng.topology == "two-devices")
 
@@ -236,6 +236,7 @@ class EventLoop:
             if not isinstance(e, Exception):
                 raise
             return None
+        s.observe_forward(kind, dt)  # launch="cost" on measured prices learns from it
         self.eng.runner_host_work(prep)  # the modelled runner's grouping is host work
         host = timer() - h0 - prep.execute_host_s
         device = self.eng.forward_cost(kind, prep, dt)  # the clock's pricing is not

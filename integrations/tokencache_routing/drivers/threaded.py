@@ -5,7 +5,9 @@ and to commit its results, and runs its forward outside the lock, so the two mod
 tokencache releases the GIL in bulk calls and torch releases it in its ops. A request inside a
 forward is busy: the other worker neither preempts nor touches it. The large worker launches a
 catch-up when SchedulerConfig.launch_large says so: with the models on one device, a batch big
-enough, the oldest waited max_wait_s, holes in the small batch, or nothing else to run; with
+enough, the oldest waited max_wait_s, holes in the small batch, or nothing else to run
+(launch="cost": once the holes' accumulated cost reaches a catch-up's fixed cost, on the
+engine clock's prices, or measured forward times under the wall clock: MeasuredPrices); with
 each model on its own device, whenever anything is parked. A request inside a catch-up holds no
 place in the small batch (admission refills it); back, it joins the small model's next step,
 longest-waiting first, and the batch cap makes the most recently stepped requests wait instead.
@@ -148,6 +150,8 @@ class ThreadedDriver:
                     self.cv.wait(_POLL_S)
                     continue
                 dt = self._run(prep, 0)
+                if dt is not None:
+                    s.observe_forward(SMALL, dt)
                 # The new step is pending before the old one is finished: whatever raises
                 # there, _guard still finds it.
                 self.pending = prep if dt is not None else None
@@ -200,9 +204,11 @@ class ThreadedDriver:
                     self.cv.wait(_POLL_S)
                     continue
                 waited = eng.now() - s.parked[0].parked_at
-                waited_out = waited >= cfg.max_wait_s
+                waited_out = cfg.waited_out(waited, cfg.max_wait_s)
                 if not s.launch_due(waited_out, own_device=self.own_device):
-                    self.cv.wait(min(_POLL_S, max(cfg.max_wait_s - waited, 1e-4)))
+                    # launch="cost" without a cap: the small worker's steps wake it (_notify)
+                    left = cfg.max_wait_s - waited if cfg.max_wait_s > 0 else _POLL_S
+                    self.cv.wait(min(_POLL_S, max(left, 1e-4)))
                     continue
                 try:
                     prep = s.schedule_large()
@@ -214,6 +220,7 @@ class ThreadedDriver:
                     continue
                 dt = self._run(prep, 1)
                 if dt is not None:
+                    s.observe_forward(LARGE, dt)
                     assert prep.out is not None
                     s.stats.large_forward_s += dt
                     s.running += s.finish_large(prep, prep.out, eng.now())

@@ -66,6 +66,7 @@ from .bench_workloads import (
     WORKLOADS,
     StepTrace,
     Workload,
+    arrival_times,
     breakdown_table,
     length_table,
     resolve,
@@ -252,6 +253,7 @@ def run(
         max_wait_s=a.max_wait_ms / 1e3,
         min_occupancy=a.min_occupancy,
         max_parked=a.max_parked,
+        launch=getattr(a, "launch", "threshold"),
         **chunking,
     )
     # Each system prompt once, each admitted request's own tokens, room for the cache to work.
@@ -285,7 +287,12 @@ def run(
     eng.router = router
     start, clock0 = eng.stats.copy(), eng.now()
     t0 = time.perf_counter()
-    handles = [eng.submit(q, max_new, route_key=i) for i, q in enumerate(prompts)]
+    # --arrival-rate: a seeded Poisson schedule on the engine clock (0: all at once)
+    rate = getattr(a, "arrival_rate", 0.0) or 0.0
+    at: list[float | None] = [None] * len(prompts)
+    if rate:
+        at = [clock0 + t for t in arrival_times(len(prompts), rate, a.seed)]
+    handles = [eng.submit(q, max_new, route_key=i, arrival_s=at[i]) for i, q in enumerate(prompts)]
     trace = None
     if mode == "events":
         trace = StepTrace(eng)
@@ -321,6 +328,8 @@ def run(
     prefixes = st.catchup_shared_prefix
     extra: dict[str, Any] = {"topology": eng.topology, "system_prompts": len(systems)}
     extra["chunked_prefill"] = [sched.token_budget(0), sched.token_budget(1)]
+    extra["arrival_rate"] = rate
+    extra["launch"] = sched.launch
     extra["prefill_chunks"] = st.prefill_chunks
     # The gaps before the small model's tokens (their ITL): what other requests' prefills and
     # catch-ups cost a decoding request, without its own escalations' waits (the large
@@ -573,13 +582,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="print the per-step breakdown over the last this many small steps (default: 128 "
         "for reasoning and long-input, off for shared-prompt)",
     )
+    ap.add_argument(
+        "--launch",
+        choices=["threshold", "cost"],
+        default="threshold",
+        help="SchedulerConfig.launch: when a catch-up launches on one device: threshold "
+        "(--min-large-batch, --max-wait, --min-occupancy) or cost (when the holes' accumulated "
+        "cost on the clock reaches a catch-up's fixed cost; --max-wait then caps the wait, "
+        "default no cap)",
+    )
     ap.add_argument("--min-large-batch", type=int, default=32)
-    ap.add_argument("--max-wait", type=int, default=8, help="max wait in small steps")
+    ap.add_argument(
+        "--max-wait",
+        type=int,
+        default=None,
+        help="max wait in small steps (default 8; with --launch cost 0: no cap)",
+    )
     ap.add_argument("--min-occupancy", type=float, default=0.8, help="SchedulerConfig's")
     ap.add_argument(
         "--max-parked", type=int, default=None, help="SchedulerConfig's (default: max-running)"
     )
-    ap.add_argument("--max-wait-ms", type=float, default=5.0, help="threaded: max wait (ms)")
+    ap.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=None,
+        help="threaded: max wait (ms; default 5; with --launch cost 0: no cap)",
+    )
     ap.add_argument(
         "--chunked-prefill",
         type=int,
@@ -595,6 +623,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="SchedulerConfig.large_chunked_prefill_size: the catch-ups' budget (0: off; "
         "default: --chunked-prefill's)",
+    )
+    ap.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="requests arrive as a Poisson process of R a second on the engine clock, seeded "
+        "by --seed (bench_workloads.arrival_times; TTFT counts from each arrival; event-loop "
+        "rows only); 0 (default): all at once",
     )
     ap.add_argument("--dispatches", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument(
@@ -649,8 +686,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error(f"--large-tp must be >= 1, got {a.large_tp}")
     if a.large_tp > 1 and (a.clock != "gpu" or a.profile != "h200-roofline"):
         ap.error("--large-tp prices the h200-roofline profile only (a measured fit is one GPU's)")
+    if not math.isfinite(a.arrival_rate) or a.arrival_rate < 0:
+        ap.error(f"--arrival-rate must be a finite number >= 0, got {a.arrival_rate}")
+    if a.arrival_rate and "threaded" in a.dispatches:
+        ap.error("--arrival-rate schedules arrivals on the event loop's clock: no threaded rows")
     if a.stub_device and (a.clock != "gpu" or "threaded" in a.dispatches):
         ap.error("--stub-device needs --clock gpu and no threaded rows (their time is wall time)")
+    cost = a.launch == "cost"
+    if a.max_wait is None:
+        a.max_wait = 0 if cost else 8
+    if a.max_wait_ms is None:
+        a.max_wait_ms = 0.0 if cost else 5.0
     if a.quick:
         a.contexts, a.rates, a.max_running, a.min_large_batch = [96], [0.1], 4, 2
     a.points = resolve(a)  # fills the workload's defaults in
@@ -659,6 +705,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.concurrency = a.concurrency or [a.max_running]
     a.progress = True
     return a
+
+
+def arrival_note(args: dict[str, Any]) -> str:
+    rate = args.get("arrival_rate") or 0.0
+    if not rate:
+        return "all submitted at once, "
+    return f"Poisson arrivals at {rate:g} requests/s (seed {args['seed']}), "
+
+
+def launch_note(args: dict[str, Any]) -> str:
+    """The launch policy the runs used (SchedulerConfig.launch and its knobs)."""
+    if args.get("launch", "threshold") == "cost":
+        cap = args["max_wait"]
+        return f"launch cost (ski rental on the clock's prices), max_wait {cap or 'none'}"
+    return (
+        f"min_large_batch {args['min_large_batch']}, max_wait {args['max_wait']} steps, "
+        f"min_occupancy {args['min_occupancy']}"
+    )
 
 
 def chunk_note(rows: Sequence[Row]) -> str:
@@ -833,8 +897,7 @@ def report(rows: list[Row], args: dict[str, Any]) -> None:
     print(
         f"clock: {clock} + bookkeeping measured here ({host_note(rows)}{stub}); threaded rows: "
         f"wall time on this CPU. {n_text}, {'/'.join(map(str, news))} new tokens each, "
-        f"min_large_batch {args['min_large_batch']}, max_wait {args['max_wait']} steps, "
-        f"min_occupancy {args['min_occupancy']}, topology {args['topology']}, "
+        f"{launch_note(args)}, topology {args['topology']}, {arrival_note(args)}"
         f"{k} system prompt{'s' if k > 1 else ''}, {chunk_note(rows)}"
     )
     for w in args["workloads"]:

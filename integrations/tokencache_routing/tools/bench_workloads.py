@@ -95,6 +95,23 @@ def resolve(a: argparse.Namespace) -> list[Workload]:
     return [Workload(a.workload, shared, a.unique_prompt, m) for m in a.max_new]
 
 
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """When each of n requests arrives, in seconds after the first (which arrives at 0): a
+    Poisson process of `rate` requests a second on the engine clock (exponential gaps drawn
+    from numpy's default_rng(seed)), so one seed gives one schedule; rate 0: all at once
+    (the benchmark's historical shape). With staggered arrivals a late request's prefill
+    (and first catch-up) lands in the middle of the others' decoding, which is what chunked
+    prefill is for (bench --arrival-rate)."""
+    if not math.isfinite(rate) or rate < 0:
+        raise ValueError(f"arrival rate must be a finite number >= 0, got {rate!r}")
+    if rate == 0 or n <= 0:
+        return [0.0] * max(n, 0)
+    import numpy as np
+
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
 # ---------------------------------------------------------------- the per-step trace
 
 # The breakdown's parts, in the published profile's terms; "rest" is the clock less the other
