@@ -404,13 +404,14 @@ def test_aborts_reach_the_batch_mates_of_a_failed_release(pair: Any, mode: str) 
     ReleaseFails(eng.sched, 1, OSError("release failed"))
     eng.start()
     prompts = make_prompts(4, seed=81, lo=5, hi=5)
-    handles = [eng.submit(p, 3 if i == 1 else 200, route_key=i) for i, p in enumerate(prompts)]
 
     def abort_the_others(h: Any) -> None:
         if h.done():
             assert handles[0].abort() and handles[2].abort()
 
-    handles[1].add_listener(abort_the_others)
+    with eng.sched.lock:  # the driver thread takes in all four together: one batch
+        handles = [eng.submit(p, 3 if i == 1 else 200, route_key=i) for i, p in enumerate(prompts)]
+        handles[1].add_listener(abort_the_others)
     for i in (0, 1, 2):
         assert handles[i].wait(60)
     eng.shutdown()  # request 3 (not in that batch's abort) ends here, or has just finished
@@ -483,11 +484,12 @@ def test_an_error_in_a_continued_steps_deferred_tokens_frees_its_new_slots(
     router = BernoulliRouter(0.4, seed=7)
     eng = RoutedEngine(*pair, router, 256, mode=mode)
     assert eng.overlap
-    real = batch_module.DeferredTokens
+    cls = batch_module.DeferredTokens
+    real = cls.of_rows
     flaky = Flaky(real, lambda i: i == 2, OSError("deferred tokens failed"))
-    monkeypatch.setattr(batch_module, "DeferredTokens", flaky)
+    monkeypatch.setattr(cls, "of_rows", flaky)
     with pytest.raises(OSError, match="deferred tokens failed"):
         eng.generate(make_prompts(4, seed=66, shared=3), 10)
-    monkeypatch.setattr(batch_module, "DeferredTokens", real)
+    monkeypatch.setattr(cls, "of_rows", real)
     check_idle(eng)
     check_exact(eng, pair, router)

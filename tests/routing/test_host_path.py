@@ -78,11 +78,14 @@ def test_host_time_is_charged_as_host_charge_says(pair: Any) -> None:
         assert st.host_s >= st.bookkeeping_s
         clocks[charge] = st.modeled_s
         device = st.small_device_s
+        # Each run against its own measured times (two runs' host times differ under load).
+        serial_charge = device + st.small_host_s
         if charge == "serial":
-            assert st.modeled_s >= device + st.small_host_s
+            assert st.modeled_s >= serial_charge
+        if charge == "trees":
+            assert st.modeled_s < serial_charge
         if charge == "overlap":
-            assert st.modeled_s >= max(device, st.small_host_s)
-    assert clocks["serial"] > clocks["trees"] and clocks["serial"] >= clocks["overlap"]
+            assert max(device, st.small_host_s) <= st.modeled_s < serial_charge
     steps = {c: _engine(pair, c, "steps").generate(prompts, 8).stats.modeled_s for c in clocks}
     assert len(set(steps.values())) == 1
     with pytest.raises(ValueError, match="host_charge"):

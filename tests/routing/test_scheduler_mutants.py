@@ -477,3 +477,51 @@ def test_an_interrupt_while_a_small_step_ends_its_requests_ends_the_rest(
     assert handles[2].error is stop
     eng.shutdown()
     check_idle(eng)
+
+
+class _TrapSeq(np.ndarray):
+    """A request's token array whose write at one place raises `error` (once)."""
+
+    trap_at: int
+    error: BaseException | None
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key == self.trap_at and self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        super().__setitem__(key, value)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_an_interrupt_while_a_small_step_delivers_leaves_no_request_behind(
+    pair: Any, mode: str, overlap: bool
+) -> None:
+    """finish_small delivers a step's tokens in one pass: an interrupt while the second of
+    three rows takes its token ends it and the third with that error; the first, which took
+    its token, goes on in the scheduler's lists: shutdown ends it, nothing leaks (a pass that
+    forgot the rows it handled before the interrupt left them in no list, never ending;
+    with overlap the first goes on in the step launched after, without it in the running
+    list)."""
+    eng = RoutedEngine(*pair, ScriptedRouter({}), 256, mode=mode, overlap=overlap)
+    stop = KeyboardInterrupt()
+    prompts = make_prompts(3, seed=83, lo=5, hi=5)
+    with eng.sched.lock:  # one batch: the driver takes in all three together
+        handles = [eng.submit(p, 40, route_key=i) for i, p in enumerate(prompts)]
+        req = handles[1]._req
+        trap = req.seq.view(_TrapSeq)
+        trap.trap_at, trap.error = req.prompt_len + 2, stop
+        req.seq = trap
+    interrupted = False
+    try:
+        for h in handles[1:]:
+            assert h.wait(60)
+    except KeyboardInterrupt as e:
+        interrupted = e is stop
+    assert interrupted == (mode == "events")
+    assert [h.finished_reason for h in handles[1:]] == ["error", "error"]
+    assert [len(h.tokens) for h in handles[1:]] == [2, 2]
+    assert not handles[0].done() or handles[0].finished_reason == "error"
+    eng.shutdown()
+    assert handles[0].done()
+    check_idle(eng)

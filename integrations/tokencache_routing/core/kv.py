@@ -94,7 +94,7 @@ class ModelSide:
             self.bookkeeping_by_op[op] = self.bookkeeping_by_op.get(op, 0.0) + dt
 
     def alloc(self, n: int) -> np.ndarray:
-        return self.pool.allocator.alloc_array(n)  # no torch round trip: read on the host
+        return self.pool.alloc(n).numpy()  # a view of the allocator's numpy array
 
     def free(self, slots: np.ndarray | torch.Tensor) -> None:
         if len(slots):

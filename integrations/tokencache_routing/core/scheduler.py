@@ -785,22 +785,37 @@ class Scheduler:
                 raise
             return []
 
-        # The rows to finish: not a chunk short of its end, not dropped, not ended meanwhile;
-        # each parks (escalated) or takes its token. Sorted out as arrays: only the parked
-        # and the failed (few) are visited one by one before the tokens are committed.
-        ok = np.asarray(live, dtype=np.bool_) & ~prep.incomplete
-        for i in failed:  # its row could not be sampled: it ends alone, with that
-            if ok[i] and prep.batch[i].finished_reason is None:
-                ok[i] = False
-                self.fail([prep.batch[i]], failed[i])
-                leave_next(prep.batch[i])
-        esc = np.asarray(escalate, dtype=np.bool_)
+        # The rows to finish: not a chunk short of its end, not dropped, not ended meanwhile.
+        # Sorted out as arrays, then in three passes: the failed (their row could not be
+        # sampled: each ends alone, with that), the parked (escalated: the small token is
+        # discarded and never fed), and those that take their token, delivered under one
+        # acquire of the delivery lock (this runs once per request per small step). As in
+        # _each, a row that raises ends alone; an interrupt ends every row not yet handled.
+        batch = prep.batch
+        fail_rows: list[int] = []
+        park_rows: list[int] = []
+        takers: Sequence[Request] = batch
+        taken = tokens
+        if failed or any(escalate) or not all(live) or prep.incomplete.any():
+            ok = np.asarray(live, dtype=np.bool_) & ~prep.incomplete
+            esc = np.asarray(escalate, dtype=np.bool_)
+            fail_rows = [i for i in failed if ok[i] and batch[i].finished_reason is None]
+            ok[fail_rows] = False
+            park_rows = np.flatnonzero(ok & esc).tolist()
+            rows = np.flatnonzero(ok & ~esc).tolist()
+            takers, taken = [batch[i] for i in rows], [tokens[i] for i in rows]
+        shared = self.delivery_lock
+        stage = k = count = 0  # the pass and its row reached, for an interrupt
         try:
-            for i in np.flatnonzero(ok & esc).tolist():
-                r = prep.batch[i]
+            for k, i in enumerate(fail_rows):  # noqa: B007 (k: read on an interrupt)
+                self.fail([batch[i]], failed[i])
+                leave_next(batch[i])
+            stage, k = 1, 0
+            for k, i in enumerate(park_rows):  # noqa: B007 (k: read on an interrupt)
+                r = batch[i]
                 if r.finished_reason is not None:
                     continue
-                try:  # park: the small token is discarded and never fed
+                try:
                     leave_next(r)
                     r.kv[SMALL].park(r.seq)
                     r.parked_at = now
@@ -809,20 +824,50 @@ class Scheduler:
                 except Exception as e:
                     self.fail([r], e)
                     leave_next(r)
+            stage, k = 2, 0
+            with shared:
+                for k, r in enumerate(takers):
+                    if r.finished_reason is not None:
+                        continue
+                    try:
+                        token = taken[k]
+                        n = r.n
+                        r.seq[n] = token
+                        r.n = n = n + 1
+                        count += 1
+                        if token in r.stop_token_ids:
+                            reason: str | None = "stop"
+                        elif n - r.prompt_len >= r.max_new_tokens:
+                            reason = "length"
+                        else:
+                            reason = None
+                        if r.lock is shared:  # _deliver, inline
+                            if not r.abort_requested:
+                                r.tokens.append(token)
+                                r.token_models.append(SMALL)
+                                r.token_times.append(now)
+                                r.ending = reason
+                        else:  # a request made outside an engine keeps its own lock
+                            with r.lock:
+                                self._deliver(r, token, SMALL, now, reason)
+                        self.touched.append(r)
+                        if reason is not None or r.abort_requested:
+                            self.finish(r, reason or "abort")
+                            leave_next(r)
+                        elif id(r) not in cont:
+                            self.running.append(r)
+                    except Exception as e:
+                        self.fail([r], e)
+                        leave_next(r)
+        except BaseException as e:
+            rest = [batch[i] for i in fail_rows[k:]] if stage == 0 else []
+            rest += [batch[i] for i in park_rows[k if stage == 1 else 0 :]] if stage <= 1 else []
+            rest += list(takers[k if stage == 2 else 0 :])
+            self.fail(rest, e)
+            raise
         finally:
-            self.parked += parked
-        take = ok & ~esc
-        if take.all():
-            batch, taken = prep.batch, tokens
-        else:
-            rows = np.flatnonzero(take).tolist()
-            batch, taken = [prep.batch[i] for i in rows], [tokens[i] for i in rows]
-        for r in self.commit_tokens(batch, taken, SMALL, now):
-            leave_next(r)
-        if cont:
-            self.running += [r for r in batch if r.finished_reason is None and id(r) not in cont]
-        else:
-            self.running += [r for r in batch if r.finished_reason is None]
+            st.tokens += count
+            self.parked += [r for r in parked if r.finished_reason is None]
         return parked
 
     # ------------------------------------------------------------ large model
@@ -967,58 +1012,6 @@ class Scheduler:
             self.finish(r, reason or "abort")
             return True
         return False
-
-    def commit_tokens(
-        self, batch: Sequence[Request], tokens: Sequence[int], model: int, now: float
-    ) -> list[Request]:
-        """Appends tokens[i] to batch[i] and hands it to its caller, for a step's rows at once
-        (one acquire of the delivery lock, the counters once: this runs once per request per
-        step); returns the requests that finished (released). One that raises ends alone,
-        as in _each; an interrupt ends the rest of the batch too, then propagates."""
-        shared = self.delivery_lock
-        ended: list[tuple[Request, str | None]] = []
-        k = count = 0
-        try:
-            with shared:
-                for k, r in enumerate(batch):
-                    if r.finished_reason is not None:
-                        continue
-                    try:
-                        token = tokens[k]
-                        n = r.n
-                        r.seq[n] = token
-                        r.n = n = n + 1
-                        count += 1
-                        if token in r.stop_token_ids:
-                            reason: str | None = "stop"
-                        elif n - r.prompt_len >= r.max_new_tokens:
-                            reason = "length"
-                        else:
-                            reason = None
-                        if r.lock is shared:  # _deliver, inline: once per row per step
-                            if not r.abort_requested:
-                                r.tokens.append(token)
-                                r.token_models.append(model)
-                                r.token_times.append(now)
-                                r.ending = reason
-                        else:  # a request made outside an engine keeps its own lock
-                            with r.lock:
-                                self._deliver(r, token, model, now, reason)
-                        self.touched.append(r)
-                        if reason is not None or r.abort_requested:
-                            ended.append((r, reason))
-                    except Exception as e:
-                        self.fail([r], e)
-        except BaseException as e:
-            self.fail(batch[k:], e)
-            raise
-        finally:
-            self.stats.tokens += count
-            if model == LARGE:
-                self.stats.large_tokens += count
-        for r, reason in ended:
-            self.finish(r, reason or "abort")
-        return [r for r, _ in ended]
 
     @staticmethod
     def _deliver(r: Request, token: int, model: int, now: float, reason: str | None) -> None:
