@@ -29,8 +29,10 @@ of the host time, with overlap max(0, host - device) per step.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
+import pstats
 import statistics
 import sys
 import time
@@ -104,6 +106,9 @@ class Row:
     host_ms_max: float
     device_ms: float  # the GPU clock's price of the same step (Qwen3-0.6B / 8B, h200-roofline)
     gpu_idle_share: float  # idle / (idle + device): what the GPU waits for (Stats.device_idle_s)
+    # Python function calls per step (--calls: a second, profiled pass over the same shape):
+    # the interpreter's share of the host work, counted, so the same on any machine.
+    calls_per_step: float | None = None
 
 
 def _engine(
@@ -132,11 +137,32 @@ def _prompts(batch: int, context: int) -> list[list[int]]:
     return [shared + o for o in own]
 
 
-def decode_row(batch: int, context: int, runner: str, steps: int, overlap: bool = True) -> Row:
+def _decoding(batch: int, context: int, runner: str, steps: int, overlap: bool) -> RoutedEngine:
+    """An engine whose batch has prefilled and taken a first decode step."""
     eng = _engine(batch, context, runner, EntropyRouter(math.inf), overlap=overlap)
     handles = [eng.submit(p, max_new_tokens=steps + 8) for p in _prompts(batch, context)]
     while any(len(h.tokens) < 2 for h in handles):  # prefills and a first decode step
         eng.iterate()
+    return eng
+
+
+def calls_per_step(batch: int, context: int, runner: str, steps: int, overlap: bool) -> float:
+    """Python function calls (cProfile's count, C functions included) per decode step: a
+    deterministic measure of the interpreter's work where the CPU time is noisy (a shared
+    machine, a VM with busy neighbours). The clock's pricing counts too (it is not host
+    time), the same in any version that prices alike."""
+    eng = _decoding(batch, context, runner, steps, overlap)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        eng.iterate()
+    profile.disable()
+    eng.shutdown()
+    return pstats.Stats(profile).total_calls / steps  # type: ignore[attr-defined]
+
+
+def decode_row(batch: int, context: int, runner: str, steps: int, overlap: bool = True) -> Row:
+    eng = _decoding(batch, context, runner, steps, overlap)
     st = eng.stats
     host, device, idle = [], [], []
     for _ in range(steps):
@@ -221,6 +247,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "--overlap", choices=("on", "off"), nargs="+", default=["on", "off"],
         help="the engine's overlapped scheduling (RoutedEngine(overlap=...))",
     )  # fmt: skip
+    ap.add_argument(
+        "--calls", action="store_true",
+        help="also count Python calls per decode step (a profiled second pass per shape)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     # The host path is one thread; torch's intra-op pool on a shared 2-core machine would
@@ -253,21 +283,28 @@ def _run(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     t0 = time.perf_counter()
     for runner, o, b, c in tqdm(shapes, desc="decode shapes"):
-        rows.append(decode_row(b, c, runner, args.steps, o))
+        row = decode_row(b, c, runner, args.steps, o)
+        if args.calls:
+            row.calls_per_step = calls_per_step(b, c, runner, min(args.steps, 20), o)
+        rows.append(row)
     for runner in args.runner if args.catchup_rounds > 0 else ():
         for c in tqdm(args.contexts, desc=f"catch-ups ({runner})"):
             rows.append(catchup_row(c, runner, args.catchup_rounds, overlap=overlaps[0]))
+    calls = " calls / step |" if args.calls else ""
     print(
         "| step | runner | overlap | batch | context | host ms (median) | min | max | GPU ms "
-        "| GPU idle |"
+        f"| GPU idle |{calls}"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.calls else ""))
     for r in rows:
+        counted = ""
+        if args.calls:
+            counted = " - |" if r.calls_per_step is None else f" {r.calls_per_step:.0f} |"
         print(
             f"| {r.kind} | {r.runner} | {'on' if r.overlap else 'off'} | {r.batch} | {r.context} "
             f"| {r.host_ms:.3f} | "
             f"{r.host_ms_min:.3f} | {r.host_ms_max:.3f} | {r.device_ms:.3f} | "
-            f"{100 * r.gpu_idle_share:.0f}% |"
+            f"{100 * r.gpu_idle_share:.0f}% |{counted}"
         )
     took = time.perf_counter() - t0
     print(f"({took:.0f} s; host: this thread's CPU time per step less the stubbed device work)")
