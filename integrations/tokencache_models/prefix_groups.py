@@ -56,7 +56,7 @@ def _common_len(kv_slots: np.ndarray, a: int, b: int, limit: int, guess: int = -
     ends = 0 <= guess <= limit and (guess == limit or x[guess] != y[guess])
     if ends and np.array_equal(x[:guess], y[:guess]):
         return guess
-    diff = np.flatnonzero(x != y)
+    diff = (x != y).nonzero()[0]
     return int(diff[0]) if len(diff) else limit
 
 
@@ -159,7 +159,7 @@ def groups_over_rows(
     lists, O(rows x P): the engine's slot table keeps the same facts per row instead
     (SlotTable.prefix_groups)."""
     min_len = max(min_len, 1)
-    eligible = np.flatnonzero(caps >= min_len)
+    eligible = (caps >= min_len).nonzero()[0]
     if len(eligible) < 2:
         return []
     first = kv_slots[starts[eligible]]

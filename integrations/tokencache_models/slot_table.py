@@ -164,7 +164,7 @@ class SlotTable:
         if len(rows) == 0:
             return
         order = np.lexsort((positions, rows))
-        first = np.flatnonzero(np.diff(rows[order], prepend=-1) != 0)
+        first = (np.diff(rows[order], prepend=-1) != 0).nonzero()[0]
         for r, lo in zip(
             rows[order][first].tolist(), positions[order][first].tolist(), strict=True
         ):
@@ -219,7 +219,7 @@ class SlotTable:
         reference that owns it (the reference grows with its owner's own slots, amortised
         O(1) a step). Rows only ever append (positions below a row's length never change
         while it is held), so a claim, once checked, stays true."""
-        todo = np.flatnonzero((caps > self._checked[rows]) & ~self._final[rows])
+        todo = ((caps > self._checked[rows]) & ~self._final[rows]).nonzero()[0]
         for i in todo.tolist():
             r, cap = int(rows[i]), int(caps[i])
             key = int(self._key[r])
@@ -236,7 +236,7 @@ class SlotTable:
                 ref.owner = r  # this row is the longest on the reference: it extends it
                 ref.extend(self.host[r, ref.length : cap])
             hi = min(cap, ref.length)
-            diff = np.flatnonzero(self.host[r, shared:hi] != ref.slots[shared:hi])
+            diff = (self.host[r, shared:hi] != ref.slots[shared:hi]).nonzero()[0]
             if len(diff):
                 self.shared_len[r] = shared + int(diff[0])
                 self._final[r] = True
@@ -270,9 +270,9 @@ class SlotTable:
             eff = np.minimum(self._update_shared(rows, caps), caps)
         else:
             eff = np.zeros(n, np.int64)
-            long = np.flatnonzero(caps >= min_len)
+            long = (caps >= min_len).nonzero()[0]
             eff[long] = np.minimum(self._update_shared(rows[long], caps[long]), caps[long])
-        eligible = np.flatnonzero(eff >= min_len)
+        eligible = (eff >= min_len).nonzero()[0]
         if len(eligible) < 2:
             return []
         keys = self._key[rows[eligible]]

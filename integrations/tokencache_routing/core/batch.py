@@ -227,7 +227,7 @@ class PreparedForward:
             rows, sel = self.complete(out)
             tokens, index, facts = self.drawn.tokens, self.kv_lens, self.facts
             if len(rows) < len(self.batch):
-                done = np.flatnonzero(~self.incomplete)
+                done = (~self.incomplete).nonzero()[0]
                 tokens = tokens[torch.from_numpy(done).to(tokens.device)]
                 index, facts = index[done], facts.take(done)
             self.decided = route(
@@ -247,7 +247,7 @@ class PreparedForward:
         and their rows of the output: what is sampled and routed."""
         if not self.incomplete.any():
             return self.batch, out
-        rows = np.flatnonzero(~self.incomplete)
+        rows = (~self.incomplete).nonzero()[0]
         sel = out.rows(torch.from_numpy(rows).to(out.logits.device))
         return [self.batch[i] for i in rows], sel
 
@@ -278,7 +278,7 @@ class PreparedForward:
         lens = np.diff(self.q_off)
         take = np.repeat(alive, lens)  # per token: its row is live
         self.side.free(self.new_slots[~take])
-        keep = np.flatnonzero(alive)
+        keep = alive.nonzero()[0]
         if not len(keep):
             return
         q_off = np.zeros(len(keep) + 1, np.int64)
@@ -334,7 +334,7 @@ class RowFacts:
             if len(source) == n and np.array_equal(source, np.arange(n)):
                 return after.facts  # every row goes on, in its place (immutable: shared)
             return after.facts.take(source)
-        fresh = np.flatnonzero(~cont)
+        fresh = (~cont).nonzero()[0]
         new = cls.of([batch[i] for i in fresh.tolist()])
         old = after.facts.take(source[cont])
         parts = []
@@ -369,7 +369,7 @@ class RowPlan:
 
     def take(self, keep: np.ndarray) -> RowPlan:
         """The plan of the rows where keep (a bool mask) is set."""
-        rows = np.flatnonzero(keep)
+        rows = keep.nonzero()[0]
         return RowPlan(
             [self.handles[i] for i in rows.tolist()],
             self.starts[rows],
@@ -402,13 +402,13 @@ def prepare_forward(
         # the others take the token drawn there (deferred).
         chunk = np.zeros(n, np.bool_)
         chunk[cont] = after.incomplete[source[cont]]
-        dest = np.flatnonzero(cont & ~chunk)
+        dest = (cont & ~chunk).nonzero()[0]
     if after is not None and source is not None and cont is not None:
         assert after.host.rows is not None
         rows = np.empty(n, np.int64)  # a continued row keeps its table row
         rows[cont] = after.host.rows[source[cont]]
         if not cont.all():
-            fresh = np.flatnonzero(~cont).tolist()
+            fresh = (~cont).nonzero()[0].tolist()
             rows[fresh] = np.fromiter((handles[i].row for i in fresh), np.int64, len(fresh))
     else:
         rows = np.fromiter((h.row for h in handles), np.int64, n)
@@ -429,7 +429,7 @@ def prepare_forward(
         own = np.ones(n, np.bool_)
         if dest is not None:
             own[dest] = False
-        for i in np.flatnonzero(own).tolist():
+        for i in own.nonzero()[0].tolist():
             tokens[q_off[i] : q_off[i + 1]] = batch[i].seq[starts[i] : ends[i]]
         positions = np.repeat(starts - q_off[:-1], q_lens) + np.arange(total, dtype=np.int64)
         token_rows = np.repeat(rows, q_lens)

@@ -580,7 +580,7 @@ class Scheduler:
             fulls = np.fromiter((r.n for r in batch), np.int64, n)
         else:  # continued rows from `after`'s arrays, only the others from their requests
             starts, fulls = np.empty(n, np.int64), np.empty(n, np.int64)
-            cont, fresh = np.flatnonzero(source >= 0), np.flatnonzero(source < 0)
+            cont, fresh = (source >= 0).nonzero()[0], (source < 0).nonzero()[0]
             starts[cont] = after.kv_lens[source[cont]]
             fulls[cont] = starts[cont] + 1  # its drawn token, or the rest of a chunked prompt
             for i in cont[after.incomplete[source[cont]]].tolist():
@@ -626,11 +626,11 @@ class Scheduler:
                     plan = self._plan(batch, kind, after, ahead)
             run = plan.ends > plan.starts
             if not run.all():  # the token budget gives these nothing this step
-                for i in np.flatnonzero(~run).tolist():
+                for i in (~run).nonzero()[0].tolist():
                     r = batch[i]
                     if ahead.pop(id(r), None) is None:
                         deferred.append(r)
-                batch[:] = [batch[i] for i in np.flatnonzero(run).tolist()]
+                batch[:] = [batch[i] for i in run.nonzero()[0].tolist()]
                 plan = plan.take(run)
             if not batch:
                 return None
@@ -644,7 +644,7 @@ class Scheduler:
         if plan.source is None:
             fresh = batch
         else:
-            fresh = [batch[i] for i in np.flatnonzero(plan.source < 0).tolist()]
+            fresh = [batch[i] for i in (plan.source < 0).nonzero()[0].tolist()]
         for r in fresh:
             r.busy_model = kind
         self.busy += fresh
@@ -686,7 +686,7 @@ class Scheduler:
             )
             if after.dropped:
                 goes_on[list(after.dropped)] = False
-            rows = np.flatnonzero(goes_on)[: cap - len(batch)]
+            rows = goes_on.nonzero()[0][: cap - len(batch)]
             if len(rows):
                 if len(rows) == len(prev):
                     went_on: Sequence[Request] = prev
@@ -727,7 +727,7 @@ class Scheduler:
         nxt, prep.successor = prep.successor, None
         cont: dict[int, int] = {}  # id(request) -> its row in nxt
         if nxt is not None and nxt.ahead is not None:
-            rows = np.flatnonzero(nxt.ahead).tolist()
+            rows = nxt.ahead.nonzero()[0].tolist()
             went_on = nxt.batch if len(rows) == len(nxt.batch) else [nxt.batch[i] for i in rows]
             cont = dict(zip(map(id, went_on), rows, strict=True))
         live = prep.live()
@@ -760,7 +760,7 @@ class Scheduler:
                     leave_next(r)
                 self.running.append(r)
             batch, sel = prep.complete(out)
-            rows = np.flatnonzero(~prep.incomplete).tolist()
+            rows = (~prep.incomplete).nonzero()[0].tolist()
             drawn = prep.drawn
             if drawn is None:  # run() rather than launch(): drawn here
                 drawn = prep.drawn = draw(
@@ -801,8 +801,8 @@ class Scheduler:
             esc = np.asarray(escalate, dtype=np.bool_)
             fail_rows = [i for i in failed if ok[i] and batch[i].finished_reason is None]
             ok[fail_rows] = False
-            park_rows = np.flatnonzero(ok & esc).tolist()
-            rows = np.flatnonzero(ok & ~esc).tolist()
+            park_rows = (ok & esc).nonzero()[0].tolist()
+            rows = (ok & ~esc).nonzero()[0].tolist()
             takers, taken = [batch[i] for i in rows], [tokens[i] for i in rows]
         shared = self.delivery_lock
         stage = k = count = 0  # the pass and its row reached, for an interrupt
