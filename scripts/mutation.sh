@@ -23,7 +23,8 @@
 # T their clean duration; mutmut's own defaults, 15 / 1, let a hung mutant run ~13 minutes).
 # SAMPLE=N or N/K (python, serve): a systematic sample, every Nth mutant of the module in
 # mutmut's generation order (source order, then mutant number) from index K (default 0); the
-# names go to $OUT/sample-<module>.txt and are run instead of MUTANTS.
+# names go to $OUT/sample-<module>.txt and are run instead of MUTANTS (with MUTANTS set, the
+# sample is drawn from the mutants its globs match).
 # Tools: mutmut and its dependencies pinned in requirements/optional/mutation.txt (installed
 # into .venv on first use), cargo-mutants (`cargo install cargo-mutants --locked --version
 # 27.1.0`). Record what a run killed in docs/MUTATION.md with the date, commit and scope.
@@ -108,12 +109,13 @@ run_mutmut() {
     local names="${MUTANTS:-}"
     if [ -n "${SAMPLE:-}" ]; then
       # Generate the mutants only (the first thing `mutmut run` does), then take every Nth
-      # name in the order mutmut wrote them (its .meta file: source order, then mutant number).
+      # name in the order mutmut wrote them (its .meta file: source order, then mutant number),
+      # of those matching MUTANTS' globs when it is set (one function's mutants, sampled).
       local step="${SAMPLE%%/*}" start=0
       [[ "$SAMPLE" != */* ]] || start="${SAMPLE#*/}"
-      (cd "$d" && "$PY" - "$pkgdir/$m.py" "$step" "$start" "$OUT/sample-$m.txt" \
+      (cd "$d" && "$PY" - "$pkgdir/$m.py" "$step" "$start" "$OUT/sample-$m.txt" "$names" \
           > generate.log 2>&1) <<'EOF'
-import json, sys
+import fnmatch, json, sys
 import mutmut.__main__ as mm
 
 mm.set_mutant_under_test("mutant_generation")
@@ -123,6 +125,8 @@ mm.copy_also_copy_files()
 mm.setup_source_paths()
 mm.create_mutants(1)
 keys = list(json.load(open(f"mutants/{sys.argv[1]}.meta"))["exit_code_by_key"])
+if globs := sys.argv[5].split():
+    keys = [k for k in keys if any(fnmatch.fnmatchcase(k, g) for g in globs)]
 step, start = int(sys.argv[2]), int(sys.argv[3])
 with open(sys.argv[4], "w") as f:  # mutmut prints what it copies: the names go to a file
     f.write(" ".join(keys[start::step]) + "\n")
