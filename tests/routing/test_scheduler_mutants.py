@@ -306,6 +306,7 @@ class CatchUp:
         n = len(batch)
         self.batch, self.drawn, self.side = batch, Drawn(tokens), None
         self.incomplete, self.kv_lens = np.zeros(n, np.bool_), np.full(n, 4, np.int64)
+        self.any_incomplete = False
         self.num_tokens, self.shared_prefix = 4 * n, None
 
     def commit(self) -> None:

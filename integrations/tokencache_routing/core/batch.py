@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -17,6 +18,14 @@ from .prefix import NO_PREFIX, PrefixRead
 from .routers import Router
 from .sampling import Decisions, Draw, draw, route
 from .state import Request
+
+# Per-request reads of a step, mapped over its batch in C (a generator expression would be a
+# Python call per request per step).
+_PROMPT_LEN = attrgetter("prompt_len")
+_MAX_NEW = attrgetter("max_new_tokens")
+_ROUTE_KEY = attrgetter("route_key")
+_GREEDY = attrgetter("sampling.greedy")
+_ROW = attrgetter("row")  # a handle's slot-table row
 
 
 def committed(q: Request, kind: int) -> int:
@@ -194,6 +203,11 @@ class PreparedForward:
     resolved: np.ndarray | None = None  # the draw on the host, once the step is finished
     dropped: set[int] = dataclasses.field(default_factory=set)
     successor: PreparedForward | None = None  # the forward that continues this one's rows
+    # incomplete.any(), asked several times a step (incomplete never changes).
+    any_incomplete: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.any_incomplete = bool(self.incomplete.any())
 
     @property
     def num_tokens(self) -> int:
@@ -245,7 +259,7 @@ class PreparedForward:
     def complete(self, out: ForwardOutput) -> tuple[list[Request], ForwardOutput]:
         """The requests whose last chunk ran (every request, unless a chunk stopped short)
         and their rows of the output: what is sampled and routed."""
-        if not self.incomplete.any():
+        if not self.any_incomplete:
             return self.batch, out
         rows = (~self.incomplete).nonzero()[0]
         sel = out.rows(torch.from_numpy(rows).to(out.logits.device))
@@ -307,12 +321,13 @@ class RowFacts:
     @classmethod
     def of(cls, batch: Sequence[Request]) -> RowFacts:
         n = len(batch)
-        prompt = np.fromiter((r.prompt_len for r in batch), np.int64, n)
+        prompt = np.fromiter(map(_PROMPT_LEN, batch), np.int64, n)
+        greedy = np.fromiter(map(_GREEDY, batch), np.bool_, n)
         return cls(
             prompt,
-            prompt + np.fromiter((r.max_new_tokens for r in batch), np.int64, n),
-            np.fromiter((r.route_key for r in batch), np.int64, n),
-            np.fromiter((not r.sampling.greedy for r in batch), np.bool_, n),
+            prompt + np.fromiter(map(_MAX_NEW, batch), np.int64, n),
+            np.fromiter(map(_ROUTE_KEY, batch), np.int64, n),
+            ~greedy,
         )
 
     def take(self, rows: np.ndarray) -> RowFacts:
@@ -331,7 +346,7 @@ class RowFacts:
         cont = source >= 0
         if cont.all():
             n = len(after.batch)
-            if len(source) == n and np.array_equal(source, np.arange(n)):
+            if len(source) == n and (source == np.arange(n)).all():
                 return after.facts  # every row goes on, in its place (immutable: shared)
             return after.facts.take(source)
         fresh = (~cont).nonzero()[0]
@@ -411,10 +426,10 @@ def prepare_forward(
             fresh = (~cont).nonzero()[0].tolist()
             rows[fresh] = np.fromiter((handles[i].row for i in fresh), np.int64, len(fresh))
     else:
-        rows = np.fromiter((h.row for h in handles), np.int64, n)
+        rows = np.fromiter(map(_ROW, handles), np.int64, n)
     q_lens = ends - starts
     q_off = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=q_off[1:])
+    q_lens.cumsum(out=q_off[1:])  # the method: np.cumsum's wrappers are three more calls
     total = int(q_off[-1])
     if total == n:  # decode: each request's one token at its last position
         if dest is not None and len(dest) == n:  # all deferred: placeholders, set below

@@ -11,8 +11,7 @@ bookkeeping share of step time).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
@@ -28,6 +27,30 @@ if TYPE_CHECKING:
 # A side's slot table starts this size and doubles (rows, and columns up to the pool's size).
 TABLE_ROWS = 64
 TABLE_WIDTH = 4096
+
+
+class BookkeepingTimer:
+    """ModelSide.bookkeeping's context: the tree call's time (device synchronised on CUDA)
+    added to the side's totals. A class, not a generator-based context manager: it runs
+    around a tree call several times a step, and a generator's protocol costs about twice
+    the Python calls."""
+
+    __slots__ = ("op", "side", "t0")
+
+    def __init__(self, side: ModelSide, op: str) -> None:
+        self.side, self.op = side, op
+
+    def __enter__(self) -> None:
+        side = self.side
+        side.sync()
+        self.t0 = side.timer()
+
+    def __exit__(self, *exc: object) -> None:
+        side = self.side
+        side.sync()
+        dt = side.timer() - self.t0
+        side.bookkeeping_s += dt
+        side.bookkeeping_by_op[self.op] = side.bookkeeping_by_op.get(self.op, 0.0) + dt
 
 
 class ModelSide:
@@ -81,17 +104,9 @@ class ModelSide:
         if self.sync_cuda:
             torch.cuda.synchronize(self.model.device)
 
-    @contextmanager
-    def bookkeeping(self, op: str = "other") -> Iterator[None]:
-        self.sync()
-        t0 = self.timer()
-        try:
-            yield
-        finally:
-            self.sync()
-            dt = self.timer() - t0
-            self.bookkeeping_s += dt
-            self.bookkeeping_by_op[op] = self.bookkeeping_by_op.get(op, 0.0) + dt
+    def bookkeeping(self, op: str = "other") -> BookkeepingTimer:
+        """`with side.bookkeeping(op):` times a tree call into bookkeeping_s (by op)."""
+        return BookkeepingTimer(self, op)
 
     def alloc(self, n: int) -> np.ndarray:
         return self.pool.alloc(n).numpy()  # a view of the allocator's numpy array

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter
 from typing import Literal, get_args
 
 import numpy as np
@@ -45,6 +46,12 @@ LAUNCH_POLICIES: tuple[str, ...] = get_args(LaunchPolicy)
 # seconds (or the step clock's units). The engine builds it from its clock (RoutedEngine,
 # launch_prices): the GPU clock's model, the step clock's constants, or MeasuredPrices.
 Price = Callable[[int, int, int, int], float]
+
+# Per-request reads of a step, mapped over its batch in C (a generator or a lambda would be a
+# Python call per request per step).
+_STEP_ORDER = attrgetter("last_small_step", "admit_order")  # who waited longest steps first
+_LENGTH = attrgetter("length")  # a handle's committed tokens
+_N = attrgetter("n")  # a request's tokens so far
 
 
 def fixed_part(price: Price, kind: int, rows: int, tokens: int, kv_tokens: int) -> float:
@@ -576,8 +583,8 @@ class Scheduler:
         elif source is None:
             source = np.fromiter(map(ahead.get, map(id, batch), repeat(-1)), np.int64, n)
         if source is None or after is None:
-            starts = np.fromiter((h.length for h in handles), np.int64, n)
-            fulls = np.fromiter((r.n for r in batch), np.int64, n)
+            starts = np.fromiter(map(_LENGTH, handles), np.int64, n)
+            fulls = np.fromiter(map(_N, batch), np.int64, n)
         else:  # continued rows from `after`'s arrays, only the others from their requests
             starts, fulls = np.empty(n, np.int64), np.empty(n, np.int64)
             cont, fresh = (source >= 0).nonzero()[0], (source < 0).nonzero()[0]
@@ -663,13 +670,15 @@ class Scheduler:
         the next chunk; those it parks or ends are then dropped from this step
         (PreparedForward.dropped)."""
         ready = sorted(
-            (r for r in self.running if not r.busy),
-            key=lambda r: (r.last_small_step, r.admit_order),
+            [r for r in self.running if r.busy_model == -1],  # not busy (no call per request)
+            key=_STEP_ORDER,
         )
         cap = self.cfg.max_running
         batch = ready[:cap]
         ahead: dict[int, int] = {}
-        if batch:  # the ready ones leave the running list (a busy request is never on it)
+        if len(batch) == len(self.running):  # all of it (batch is a part of it)
+            self.running = []
+        elif batch:  # the ready ones leave the running list (a busy request is never on it)
             chosen = {id(r) for r in batch}
             self.running = [r for r in self.running if id(r) not in chosen]
         source = None  # each row's row in `after` (-1: none), once a row continues it
@@ -731,7 +740,10 @@ class Scheduler:
             went_on = nxt.batch if len(rows) == len(nxt.batch) else [nxt.batch[i] for i in rows]
             cont = dict(zip(map(id, went_on), rows, strict=True))
         live = prep.live()
-        done = [r for r, ok in zip(prep.batch, live, strict=True) if ok and id(r) not in cont]
+        if cont:
+            done = [r for r, ok in zip(prep.batch, live, strict=True) if ok and id(r) not in cont]
+        else:  # nothing continues (no overlap): no id() per request
+            done = [r for r, ok in zip(prep.batch, live, strict=True) if ok]
         self._unbusy(done)  # those continuing in nxt stay busy there
         parked: list[Request] = []
 
@@ -796,7 +808,7 @@ class Scheduler:
         park_rows: list[int] = []
         takers: Sequence[Request] = batch
         taken = tokens
-        if failed or any(escalate) or not all(live) or prep.incomplete.any():
+        if failed or any(escalate) or not all(live) or prep.any_incomplete:
             ok = np.asarray(live, dtype=np.bool_) & ~prep.incomplete
             esc = np.asarray(escalate, dtype=np.bool_)
             fail_rows = [i for i in failed if ok[i] and batch[i].finished_reason is None]
@@ -963,8 +975,10 @@ class Scheduler:
         request left it, aborted, before it finished) belongs to a request that is elsewhere
         by now, listed once already."""
         out: list[Request] = []
-        short = prep.incomplete if live is None else prep.incomplete & np.asarray(live)
-        if not short.any():  # every chunk ran to its end (decoding): unmark, list none
+        short = None  # the live rows short of their end, when any row is
+        if prep.any_incomplete:
+            short = prep.incomplete if live is None else prep.incomplete & np.asarray(live)
+        if short is None or not short.any():  # every chunk ran to its end: unmark, list none
             for i, r in enumerate(prep.batch):
                 if r.partial_prefill and (live is None or live[i]):
                     r.partial_prefill = False
@@ -983,10 +997,17 @@ class Scheduler:
         return out
 
     def _unbusy(self, batch: Sequence[Request]) -> None:
-        for r in batch:
+        if len(batch) == 1:  # a row leaving alone (parked, failed): found where it is
+            (r,) = batch
             r.busy_model = -1
             if r in self.busy:
                 self.busy.remove(r)
+            return
+        for r in batch:
+            r.busy_model = -1
+        # One pass, no call per request: busy holds exactly the requests whose busy_model is
+        # set (_prepare sets both, only this clears them).
+        self.busy[:] = [r for r in self.busy if r.busy_model != -1]
 
     # ------------------------------------------------------------ tokens
 

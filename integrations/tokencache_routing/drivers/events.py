@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,26 +92,23 @@ class EventLoop:
         s.stats.modeled_s = self.eng.now()
         return True
 
-    @contextlib.contextmanager
-    def _host_work(self) -> Iterator[None]:
-        """Host work outside a forward's launch and finish (intake, aborts, admission): the
-        small model's host clock pays it as it pays a step's, so the GPU waits for it where
-        nothing hides it (Stats.small_host_s counts it). Charged only while there is work:
-        an idle engine's clock does not creep."""
-        timer = self.sides[SMALL].timer
-        h0, tree0 = timer(), self._tree_s()
-        try:
-            yield
-        finally:
-            if self.sched.has_work() or self.pending is not None:
-                host = timer() - h0
-                st = self.sched.stats
-                st.host_s += host
-                st.small_host_s += host
-                charge = self._host_cost(host, self._tree_s() - tree0)
-                self.t_small += charge
-                if not self.eng.overlap:  # serially the device waits for it (with overlap,
-                    st.device_idle_s += charge  # _start_on_device finds what it waits for)
+    def _host_work(self) -> HostWork:
+        """Host work outside a forward's launch and finish (intake, aborts, admission), timed
+        by `with self._host_work():` (HostWork)."""
+        return HostWork(self)
+
+    def _charge_host_work(self, host: float, tree_s: float) -> None:
+        """The small model's host clock pays host work as it pays a step's, so the GPU waits
+        for it where nothing hides it (Stats.small_host_s counts it). Charged only while there
+        is work: an idle engine's clock does not creep."""
+        if self.sched.has_work() or self.pending is not None:
+            st = self.sched.stats
+            st.host_s += host
+            st.small_host_s += host
+            charge = self._host_cost(host, tree_s)
+            self.t_small += charge
+            if not self.eng.overlap:  # serially the device waits for it (with overlap,
+                st.device_idle_s += charge  # _start_on_device finds what it waits for)
 
     def _nothing_to_run_until(self, t: float) -> None:
         """The small model has no work before engine time t (the next arrival, a catch-up's
@@ -440,3 +436,24 @@ class EventLoopThread:
                 eng.drain_exclusive()
                 return
             self.event.wait(0.5)
+
+
+class HostWork:
+    """EventLoop._host_work's context: the small model's host timer and the trees' time
+    around intake, aborts and admission, charged on exit (EventLoop._charge_host_work). A
+    class, not a generator-based context manager: it runs twice a step, and a generator's
+    protocol costs about twice the Python calls."""
+
+    __slots__ = ("h0", "loop", "tree0")
+
+    def __init__(self, loop: EventLoop) -> None:
+        self.loop = loop
+
+    def __enter__(self) -> None:
+        loop = self.loop
+        self.h0, self.tree0 = loop.sides[SMALL].timer(), loop._tree_s()
+
+    def __exit__(self, *exc: object) -> None:
+        loop = self.loop
+        host = loop.sides[SMALL].timer() - self.h0
+        loop._charge_host_work(host, loop._tree_s() - self.tree0)
