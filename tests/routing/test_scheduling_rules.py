@@ -48,9 +48,17 @@ class Watch:
 
     def admit(self, not_after: float | None = None) -> None:
         self._admit(not_after)
-        cfg = self.s.cfg
-        if len(self.s.active()) > cfg.max_admitted:
-            self.violations.append(f"{len(self.s.active())} admitted > {cfg.max_admitted}")
+        s, cfg = self.s, self.s.cfg
+        if len(s.active()) > cfg.max_admitted:
+            self.violations.append(f"{len(s.active())} admitted > {cfg.max_admitted}")
+        # Each admitted request is on one list, and `busy` holds exactly those inside a
+        # forward (busy_model set): Scheduler._unbusy clears the list by that flag.
+        if len({id(r) for r in s.active()}) != len(s.active()):
+            self.violations.append("a request is on two of the scheduler's lists")
+        if any(r.busy_model == -1 for r in s.busy):
+            self.violations.append("a request on the busy list is not inside a forward")
+        if any(r.busy_model != -1 for r in s.running + s.parked + s.inflight):
+            self.violations.append("a request inside a forward is off the busy list")
 
     def make_room(self, side: Any, batch: list[Any], kind: int, *rest: Any) -> None:
         self._batch = batch
