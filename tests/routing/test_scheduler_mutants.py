@@ -10,10 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from routing_helpers import check_exact, check_idle, make_prompts
+from routing_helpers import bernoulli_decide, check_exact, check_idle, make_prompts
 
 from tokencache_routing import BernoulliRouter, RoutedEngine, SamplingParams, ScriptedRouter
 from tokencache_routing.core.batch import PreparedForward
+from tokencache_routing.core.kv import CursorKV
 from tokencache_routing.core.routers import Router, RouterFeatures
 from tokencache_routing.core.scheduler import Scheduler, SchedulerConfig, WaitForMemory
 from tokencache_routing.core.state import GREEDY, LARGE, Request
@@ -525,4 +526,76 @@ def test_an_interrupt_while_a_small_step_delivers_leaves_no_request_behind(
     assert not handles[0].done() or handles[0].finished_reason == "error"
     eng.shutdown()
     assert handles[0].done()
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_an_interrupt_while_a_small_step_parks_leaves_no_request_behind(
+    pair: Any, mode: str, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """finish_small's park pass: three of four rows escalate at the same step and the second
+    one's park is interrupted. The first, parked already, stays parked; the second and third,
+    not parked yet, and the fourth, whose token was not delivered yet, end with that error
+    (mutants of the sampled finish_small run: 193, a pass index off by one, left the rows
+    after the interrupt in no list, never ending; 283 failed the row parked before it too)."""
+    router = ScriptedRouter({0: [2], 1: [2], 2: [2]})
+    eng = RoutedEngine(*pair, router, 256, mode=mode, overlap=overlap)
+    stop = KeyboardInterrupt()
+    prompts = make_prompts(4, seed=89, lo=5, hi=5)
+    park = CursorKV.park
+    trapped: list[np.ndarray] = []
+
+    def interrupted_park(self: CursorKV, seq: np.ndarray) -> None:
+        if trapped and seq is trapped[0]:  # the second request's small-model park, once
+            trapped.clear()
+            raise stop
+        park(self, seq)
+
+    monkeypatch.setattr(CursorKV, "park", interrupted_park)
+    with eng.sched.lock:  # one batch: the driver takes in all four together
+        handles = [eng.submit(p, 40, route_key=i) for i, p in enumerate(prompts)]
+        trapped.append(handles[1]._req.seq)
+    interrupted = False
+    try:
+        for h in handles[1:]:
+            assert h.wait(60)
+    except KeyboardInterrupt as e:
+        interrupted = e is stop
+    assert interrupted == (mode == "events")
+    assert [h.finished_reason for h in handles[1:]] == ["error"] * 3
+    assert [len(h.tokens) for h in handles[1:]] == [2, 2, 2]
+    if mode == "events":  # parked before the interrupt: still on a list, not failed with it
+        assert handles[0].finished_reason is None and handles[0]._req in eng.sched.active()
+    else:  # an interrupt escaping a worker fails every request (ThreadedDriver._guard)
+        assert handles[0].finished_reason == "error"
+    eng.shutdown()
+    assert handles[0].done()
+    check_idle(eng)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+def test_a_request_with_its_own_lock_takes_its_tokens_like_the_others(
+    pair: Any, mode: str, overlap: bool
+) -> None:
+    """A small step delivers under the engine's shared delivery lock; a request that keeps
+    its own lock (made outside an engine) takes its tokens under that one instead, the same
+    tokens (mutant 247 of the sampled finish_small run, a wrong call on that path, ended such
+    a request with an error)."""
+    from tokencache_routing import reference_generate
+
+    router = BernoulliRouter(0.2, seed=97)
+    eng = RoutedEngine(*pair, router, 256, mode=mode, overlap=overlap)
+    prompts = make_prompts(3, seed=97, lo=5, hi=5)
+    with eng.sched.lock:  # replaced before any step delivers to it
+        handles = [eng.submit(p, 8, route_key=i) for i, p in enumerate(prompts)]
+        own = handles[1]._req
+        own.lock = type(own.lock)()
+        assert own.lock is not eng.sched.delivery_lock
+    assert all(h.wait(60) for h in handles)
+    ref, _ = reference_generate(*pair, prompts, 8, bernoulli_decide(router))
+    assert [h.finished_reason for h in handles] == ["length"] * 3
+    assert [list(h.tokens) for h in handles] == ref
+    eng.shutdown()
     check_idle(eng)
