@@ -549,7 +549,9 @@ class Scheduler:
             side.evict(need - side.pool.available)
             if side.pool.available >= need:
                 return
-            active = self.active() + [r for r in batch if r not in self.active()]
+            listed = self.active()  # once: per batch row it made this O(batch x active)
+            on_list = {id(q) for q in listed}
+            active = listed + [r for r in batch if id(r) not in on_list]
             oldest = min(active, key=lambda q: q.admit_order)
             victims = [q for q in active if not q.busy and q is not oldest]
             if not victims:
