@@ -481,6 +481,17 @@ def test_an_interrupt_while_a_small_step_ends_its_requests_ends_the_rest(
     check_idle(eng)
 
 
+def _interrupted_while_waiting(handles: list[Any], stop: BaseException) -> bool:
+    """Waits for `handles`; True when `stop` reached the caller meanwhile (the event loop
+    runs in the waiting thread, so an interrupt inside a step propagates there)."""
+    try:
+        for h in handles:
+            assert h.wait(60)
+    except KeyboardInterrupt as e:
+        return e is stop
+    return False
+
+
 class _TrapSeq(np.ndarray):
     """A request's token array whose write at one place raises `error` (once)."""
 
@@ -514,13 +525,7 @@ def test_an_interrupt_while_a_small_step_delivers_leaves_no_request_behind(
         trap = req.seq.view(_TrapSeq)
         trap.trap_at, trap.error = req.prompt_len + 2, stop
         req.seq = trap
-    interrupted = False
-    try:
-        for h in handles[1:]:
-            assert h.wait(60)
-    except KeyboardInterrupt as e:
-        interrupted = e is stop
-    assert interrupted == (mode == "events")
+    assert _interrupted_while_waiting(handles[1:], stop) == (mode == "events")
     assert [h.finished_reason for h in handles[1:]] == ["error", "error"]
     assert [len(h.tokens) for h in handles[1:]] == [2, 2]
     assert not handles[0].done() or handles[0].finished_reason == "error"
@@ -556,13 +561,7 @@ def test_an_interrupt_while_a_small_step_parks_leaves_no_request_behind(
     with eng.sched.lock:  # one batch: the driver takes in all four together
         handles = [eng.submit(p, 40, route_key=i) for i, p in enumerate(prompts)]
         trapped.append(handles[1]._req.seq)
-    interrupted = False
-    try:
-        for h in handles[1:]:
-            assert h.wait(60)
-    except KeyboardInterrupt as e:
-        interrupted = e is stop
-    assert interrupted == (mode == "events")
+    assert _interrupted_while_waiting(handles[1:], stop) == (mode == "events")
     assert [h.finished_reason for h in handles[1:]] == ["error"] * 3
     assert [len(h.tokens) for h in handles[1:]] == [2, 2, 2]
     if mode == "events":  # parked before the interrupt: still on a list, not failed with it
