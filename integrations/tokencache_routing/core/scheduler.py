@@ -999,16 +999,15 @@ class Scheduler:
         return out
 
     def _unbusy(self, batch: Sequence[Request]) -> None:
-        if len(batch) == 1:  # a row leaving alone (parked, failed): found where it is
-            (r,) = batch
-            r.busy_model = -1
-            if r in self.busy:
-                self.busy.remove(r)
-            return
         for r in batch:
             r.busy_model = -1
-        # One pass, no call per request: busy holds exactly the requests whose busy_model is
-        # set (_prepare sets both, only this clears them).
+        if len(batch) <= 4:  # a few rows (none, with overlap, most steps): found where they are
+            for r in batch:
+                if r in self.busy:
+                    self.busy.remove(r)
+            return
+        # Many: one pass, no call per request: busy holds exactly the requests whose busy_model
+        # is set (_prepare sets both, only this clears them).
         self.busy[:] = [r for r in self.busy if r.busy_model != -1]
 
     # ------------------------------------------------------------ tokens
