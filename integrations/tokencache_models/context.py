@@ -93,6 +93,9 @@ class DeferredTokens:
     source: torch.Tensor  # [K] int64 on the model's device
     index: np.ndarray  # [m] int64: which source entries
     dest: np.ndarray  # [m] int64: which flat token positions they fill
+    # index == dest == arange(K): the first K tokens are the source as it is (steady overlapped
+    # decoding: every row goes on in its place), one plain copy on the device, no index.
+    in_place: bool = False
 
     def __post_init__(self) -> None:
         index = np.asarray(self.index, np.int64).reshape(-1)
@@ -115,17 +118,25 @@ class DeferredTokens:
             raise ValueError("DeferredTokens.dest holds a negative token position")
         if has_duplicates(dest):
             raise ValueError("DeferredTokens.dest fills a token position twice")
+        if self.in_place:
+            ident = np.arange(k)
+            if not (np.array_equal(index, ident) and np.array_equal(dest, ident)):
+                raise ValueError("DeferredTokens.in_place needs index == dest == arange(K)")
 
     @classmethod
-    def of_rows(cls, source: torch.Tensor, index: np.ndarray, dest: np.ndarray) -> DeferredTokens:
+    def of_rows(
+        cls, source: torch.Tensor, index: np.ndarray, dest: np.ndarray, in_place: bool = False
+    ) -> DeferredTokens:
         """Without the checks, for a caller whose arrays are valid by construction (int64,
-        index rows of source, dest distinct and >= 0): an overlapped scheduler builds one
-        each step from its own plan (tokencache_routing's prepare_forward). check() and
-        check_device() still run where the batch is loaded."""
+        index rows of source, dest distinct and >= 0; in_place only where index == dest ==
+        arange(len(source))): an overlapped scheduler builds one each step from its own plan
+        (tokencache_routing's prepare_forward). check() and check_device() still run where
+        the batch is loaded."""
         out = cls.__new__(cls)
         object.__setattr__(out, "source", source)
         object.__setattr__(out, "index", index)
         object.__setattr__(out, "dest", dest)
+        object.__setattr__(out, "in_place", in_place)
         return out
 
     def __len__(self) -> int:

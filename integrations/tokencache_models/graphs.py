@@ -148,6 +148,11 @@ class DecodeGraphRunner:
             for _ in range(0 if device.type == "cpu" else 2)
         ]
         self._next_staging = 0
+        # Their numpy views, made once (a view per step costs more than the writes into it).
+        self._inputs_host: np.ndarray | None = (
+            self._inputs.numpy() if device.type == "cpu" else None
+        )
+        self._staging_host = [staging.numpy() for staging in self._staging]
         # The last step's prefix tables and what they were built from: steady decoding keeps
         # its groups, rows and offsets from step to step, so the tables repeat.
         self._tables_key: tuple[Any, ...] | None = None
@@ -250,10 +255,11 @@ class DecodeGraphRunner:
         rows = hb.num_requests
         if self._staging:
             staging = self._staging[self._next_staging]
+            host = self._staging_host[self._next_staging]
             self._next_staging ^= 1
-            host = staging.numpy()
         else:
-            host = self._inputs.numpy()
+            assert self._inputs_host is not None  # no staging: the CPU's own buffer
+            host = self._inputs_host
         at = self._starts
         parts = [hb.token_ids, hb.positions, hb.out_slots, hb.kv_starts, hb.kv_lens]
         for k, a in enumerate(parts):
@@ -267,8 +273,9 @@ class DecodeGraphRunner:
         m = len(deferred) if deferred is not None else 0
         if deferred is not None:
             deferred.check_device(self._tokens.device)
-            host[at[8] : at[8] + m] = deferred.index
-            host[at[9] : at[9] + m] = deferred.dest
+            if not deferred.in_place:  # in place: a plain copy below, no index
+                host[at[8] : at[8] + m] = deferred.index
+                host[at[9] : at[9] + m] = deferred.dest
         if self._staging:
             self._inputs.copy_(staging, non_blocking=True)
         if deferred is not None and m:
@@ -278,8 +285,11 @@ class DecodeGraphRunner:
             # new tensor every step (the previous step's samples) and a graph would replay the
             # address it captured; a static source buffer would cost the same gather to fill,
             # and m varies per step, so the graphs and their keys stay as they were.
-            index, dest = self._deferred_index[:m], self._deferred_dest[:m]
-            self._tokens.index_copy_(0, dest, deferred.gather(index))
+            if deferred.in_place:  # token i is source[i], for every i < m: one copy
+                self._tokens[:m].copy_(deferred.source)
+            else:
+                index, dest = self._deferred_index[:m], self._deferred_dest[:m]
+                self._tokens.index_copy_(0, dest, deferred.gather(index))
         if hb.table is None:
             (slots,) = to_device([hb.kv_slots], self._kv_slots.device)
             self._kv_slots[: slots.numel()].copy_(slots)  # the step's own slot list

@@ -158,6 +158,10 @@ class KVPool:
     def alloc(self, n: int) -> torch.Tensor:
         return self.allocator.alloc(n)
 
+    def alloc_array(self, n: int) -> np.ndarray:
+        """alloc() as a numpy array (the engine's host path: no tensor made per step)."""
+        return self.allocator.alloc_array(n)
+
     def free(self, slots: torch.Tensor | np.ndarray) -> None:
         self.allocator.free(slots)
 

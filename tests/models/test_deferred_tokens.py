@@ -68,6 +68,7 @@ class Step:
     tokens: list[list[int]]
     new: list[torch.Tensor]
     deferred: dict[tuple[int, int], int]  # (row, token j of the row) -> source index
+    in_place: bool = False  # every row's one token is source[row] (DeferredTokens.in_place)
 
 
 def _host_batch(
@@ -89,7 +90,9 @@ def _host_batch(
                 dest.append(flat + j)
         flat += len(toks)
     deferred = (
-        DeferredTokens(source, np.array(index), np.array(dest)) if mode == "deferred" else None
+        DeferredTokens(source, np.array(index), np.array(dest), in_place=step.in_place)
+        if mode == "deferred"
+        else None
     )
     batch = ForwardBatch.from_requests(tokens, step.prefix, step.new)
     if layout == "list":
@@ -113,15 +116,20 @@ def _host_batch(
 def _scenario(model: CausalLM, kind: str) -> tuple[KVPool, torch.Tensor, Step]:
     """A fresh pool with three prompts prefilled (same slots every call), the prefill's sampled
     tokens as the device source, and the next step: "decode" (rows out of order, two of three
-    tokens deferred) or "mixed" (a new prompt, a deferred decode row, a catch-up whose first
-    token is deferred)."""
+    tokens deferred), "in-place" (every row goes on in its place with its sampled token:
+    steady overlapped decoding) or "mixed" (a new prompt, a deferred decode row, a catch-up
+    whose first token is deferred)."""
     pool = model.make_kv_pool(256)
     prompts = _prompts(PROMPT_LENS, seed=3)
     slots = [pool.alloc(len(p)) for p in prompts]
     out = model(ForwardBatch.from_requests(prompts, [[]] * 3, slots), pool)
     source = out.logits.argmax(-1)  # the previous step's samples, on the model's device
     first = source.tolist()
-    if kind == "decode":
+    if kind == "in-place":
+        new = [pool.alloc(1) for _ in prompts]
+        deferred = {(r, 0): r for r in range(len(prompts))}
+        step = Step(slots, [[t] for t in first], new, deferred, in_place=True)
+    elif kind == "decode":
         order = [2, 0, 1]
         new = [pool.alloc(1) for _ in order]
         # Row 1 (request 0) was known on the host (say, a large model's token).
@@ -161,7 +169,7 @@ def _check(model: CausalLM, kind: str, layout: str, path: str) -> None:
 
 
 @pytest.mark.parametrize("layout", ["list", "table"])
-@pytest.mark.parametrize("kind", ["decode", "decode-padded", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "decode-padded", "in-place", "mixed"])
 def test_eager_forward_with_deferred_tokens_equals_host_tokens(kind: str, layout: str) -> None:
     model = _model()
     model.executor.decode_padding = kind == "decode-padded"  # the CUDA default: padded to a bucket
@@ -190,6 +198,24 @@ def test_graph_runner_prepare_resolves_deferred_tokens(layout: str) -> None:
     later = _host_batch(step, source, "placeholders", layout, pool)
     runner.prepare(later)
     assert runner._tokens[:3].tolist() == later.token_ids.tolist() != want
+
+
+@pytest.mark.parametrize("layout", ["list", "table"])
+def test_graph_runner_copies_in_place_deferred_tokens(layout: str) -> None:
+    """Steady overlapped decoding (every row goes on in its place): the runner copies the
+    source into its token buffer as it is, without the index; the outputs equal the host-token
+    run's, and later steps (host tokens; some rows deferred out of place) go by their own."""
+    model = _model()
+    _check(model, "in-place", layout, "static")
+    pool, source, step = _scenario(model, "in-place")
+    runner = DecodeGraphRunner(model, pool, model.attention(), (4,), use_graphs=False)
+    runner.prepare(_host_batch(step, source, "deferred", layout, pool))
+    assert runner._tokens[:3].tolist() == source.tolist()
+    runner.prepare(_host_batch(step, source, "placeholders", layout, pool))
+    assert runner._tokens[:3].tolist() != source.tolist()  # a host step runs its own tokens
+    later, order = Step(step.prefix, step.tokens, step.new, {(0, 0): 2, (2, 0): 1}), [2, 1]
+    runner.prepare(_host_batch(later, source, "deferred", layout, pool))
+    assert runner._tokens[[0, 2]].tolist() == [source.tolist()[k] for k in order]
 
 
 @pytest.mark.parametrize("path", ["eager", "padded", "static"])
@@ -228,6 +254,11 @@ def test_bad_deferred_tokens_are_refused_early() -> None:
         DeferredTokens(source, np.array([0, 1, 2]), np.array([2, 0, 2]))
     with pytest.raises(ValueError, match="int64"):
         DeferredTokens(source.int(), np.array([0]), np.array([0]))
+    with pytest.raises(ValueError, match="in_place"):  # in place: index == dest == arange(3)
+        DeferredTokens(source, np.array([1, 0, 2]), np.array([0, 1, 2]), in_place=True)
+    with pytest.raises(ValueError, match="in_place"):  # not the whole source
+        DeferredTokens(source, np.array([0, 1]), np.array([0, 1]), in_place=True)
+    DeferredTokens(source, np.arange(3), np.arange(3), in_place=True)
     with pytest.raises(ValueError, match="out of range"):  # the batch has 2 tokens
         HostBatch.from_batch(batch, deferred=DeferredTokens(source, np.array([0]), np.array([2])))
     ok = HostBatch.from_batch(batch, deferred=DeferredTokens(source, np.array([2]), np.array([1])))

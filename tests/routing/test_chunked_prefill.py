@@ -390,13 +390,13 @@ def test_fault_injection_soak_chunked(pair: Any, dispatch: str, mode: str) -> No
             page_size=rng.choice([1, 2, 4]), scheduler=sched,
         )  # fmt: skip
         pool = eng.large.pool
-        real = pool.alloc
-        pool.alloc = Flaky(real, lambda i, r=rates[2], g=rng: g.random() < r, MemoryError("a"))  # type: ignore[method-assign]
+        real = pool.alloc_array
+        pool.alloc_array = Flaky(real, lambda i, r=rates[2], g=rng: g.random() < r, MemoryError("a"))  # type: ignore[method-assign]
         prompts = make_prompts(5, seed=200 + seed, shared=7, lo=6, hi=14)
         with contextlib.suppress(OSError, MemoryError):
             eng.generate(prompts, 8)
         check_idle(eng)
-        pool.alloc = real  # type: ignore[method-assign]
+        pool.alloc_array = real  # type: ignore[method-assign]
         flaky_small._call.when = flaky_large._call.when = lambda i: False
         check_exact(eng, pair, inner)
 

@@ -168,11 +168,11 @@ def test_allocator_memory_error_mid_stream(pair: Any, dispatch: str, mode: str) 
     router = BernoulliRouter(0.3, seed=9)
     eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
     pool = eng.large.pool
-    real = pool.alloc
-    pool.alloc = Flaky(real, lambda i: i == 2, MemoryError("no memory"))  # type: ignore[method-assign]
+    real = pool.alloc_array
+    pool.alloc_array = Flaky(real, lambda i: i == 2, MemoryError("no memory"))  # type: ignore[method-assign]
     with pytest.raises(MemoryError, match="no memory"):
         eng.generate(make_prompts(5, seed=68, shared=6), 12)
-    pool.alloc = real  # type: ignore[method-assign]
+    pool.alloc_array = real  # type: ignore[method-assign]
     check_idle(eng)
     check_exact(eng, pair, router)
 
@@ -208,13 +208,13 @@ def test_fault_injection_soak(pair: Any, dispatch: str, mode: str) -> None:
             scheduler=sched,
         )  # fmt: skip
         pool = eng.small.pool
-        real = pool.alloc
-        pool.alloc = Flaky(real, lambda i, r=rates[3], g=rng: g.random() < r, MemoryError("a"))  # type: ignore[method-assign]
+        real = pool.alloc_array
+        pool.alloc_array = Flaky(real, lambda i, r=rates[3], g=rng: g.random() < r, MemoryError("a"))  # type: ignore[method-assign]
         prompts = make_prompts(6, seed=100 + seed, shared=5, lo=2, hi=9)
         with contextlib.suppress(OSError, MemoryError):
             eng.generate(prompts, 10)
         check_idle(eng)
-        pool.alloc = real  # type: ignore[method-assign]
+        pool.alloc_array = real  # type: ignore[method-assign]
         flaky_small._call.when = flaky_large._call.when = router.call.when = lambda i: False
         check_exact(eng, pair, inner)
 

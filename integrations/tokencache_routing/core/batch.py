@@ -411,14 +411,28 @@ def prepare_forward(
     handles, starts, full, ends = plan.handles, plan.starts, plan.fulls, plan.ends
     source = plan.source if after is not None else None
     dest = cont = None
-    if after is not None and source is not None:
+    # Steady overlapped decoding: every row of `after` goes on, in its place, with its drawn
+    # token (no chunk there). Its rows, deferred tokens and facts are then `after`'s as they
+    # are: no per-row selection.
+    in_place = (
+        after is not None
+        and source is not None
+        and n == len(after.batch)
+        and not after.any_incomplete
+        and bool((source == np.arange(n)).all())
+    )
+    if in_place:
+        assert after is not None and after.host.rows is not None
+        cont = np.ones(n, np.bool_)
+        dest = np.arange(n)
+        rows = after.host.rows  # read only, here and there
+    elif after is not None and source is not None:
         cont = source >= 0
         # A row continuing a chunk short of its end there takes its next chunk from the host;
         # the others take the token drawn there (deferred).
         chunk = np.zeros(n, np.bool_)
         chunk[cont] = after.incomplete[source[cont]]
         dest = (cont & ~chunk).nonzero()[0]
-    if after is not None and source is not None and cont is not None:
         assert after.host.rows is not None
         rows = np.empty(n, np.int64)  # a continued row keeps its table row
         rows[cont] = after.host.rows[source[cont]]
@@ -457,9 +471,15 @@ def prepare_forward(
             assert after.drawn is not None, "the forward continued from was not launched"
             src = source[dest]
             tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
-            # Valid by construction: src rows of that draw, q_off[dest] distinct row starts.
-            host.deferred = DeferredTokens.of_rows(after.drawn.tokens, src, q_off[dest])
-        facts = RowFacts.carried(batch, source, after)
+            # Valid by construction: src rows of that draw, q_off[dest] distinct row starts
+            # (in place: both arange(n), n the draw's length).
+            host.deferred = DeferredTokens.of_rows(
+                after.drawn.tokens, src, q_off[dest], in_place=in_place
+            )
+        if in_place and after is not None:
+            facts = after.facts  # immutable: shared
+        else:
+            facts = RowFacts.carried(batch, source, after)
         prep = PreparedForward(
             side, list(batch), handles, q_off, ends, tokens, new_slots, host, ends < full, facts
         )

@@ -109,7 +109,7 @@ class ModelSide:
         return BookkeepingTimer(self, op)
 
     def alloc(self, n: int) -> np.ndarray:
-        return self.pool.alloc(n).numpy()  # a view of the allocator's numpy array
+        return self.pool.alloc_array(n)
 
     def free(self, slots: np.ndarray | torch.Tensor) -> None:
         if len(slots):

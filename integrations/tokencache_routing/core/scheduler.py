@@ -689,7 +689,9 @@ class Scheduler:
             # is room for one after it (its place is kv_lens: the step before `after` is
             # committed). As arrays: this runs once per request per step.
             prev = after.batch
-            goes_on = after.incomplete | (after.kv_lens + 1 < after.facts.limit)
+            goes_on = after.kv_lens + 1 < after.facts.limit
+            if after.any_incomplete:
+                goes_on |= after.incomplete
             goes_on &= np.fromiter(
                 (r.finished_reason is None and not r.abort_requested for r in prev),
                 np.bool_,
@@ -704,8 +706,11 @@ class Scheduler:
                 else:
                     went_on = [prev[i] for i in rows.tolist()]
                 ahead = dict(zip(map(id, went_on), rows.tolist(), strict=True))
-                source = np.full(len(batch) + len(rows), -1, np.int64)
-                source[len(batch) :] = rows
+                if batch:
+                    source = np.full(len(batch) + len(rows), -1, np.int64)
+                    source[len(batch) :] = rows
+                else:  # only `after`'s rows (steady decoding): their rows there
+                    source = rows
                 batch += went_on
         if not batch:
             return None
