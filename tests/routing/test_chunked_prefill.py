@@ -391,7 +391,8 @@ def test_fault_injection_soak_chunked(pair: Any, dispatch: str, mode: str) -> No
         )  # fmt: skip
         pool = eng.large.pool
         real = pool.alloc_array
-        pool.alloc_array = Flaky(real, lambda i, r=rates[2], g=rng: g.random() < r, MemoryError("a"))  # type: ignore[method-assign]
+        flaky = Flaky(real, lambda i, r=rates[2], g=rng: g.random() < r, MemoryError("a"))
+        pool.alloc_array = flaky  # type: ignore[method-assign]
         prompts = make_prompts(5, seed=200 + seed, shared=7, lo=6, hi=14)
         with contextlib.suppress(OSError, MemoryError):
             eng.generate(prompts, 8)

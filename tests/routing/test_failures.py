@@ -209,7 +209,8 @@ def test_fault_injection_soak(pair: Any, dispatch: str, mode: str) -> None:
         )  # fmt: skip
         pool = eng.small.pool
         real = pool.alloc_array
-        pool.alloc_array = Flaky(real, lambda i, r=rates[3], g=rng: g.random() < r, MemoryError("a"))  # type: ignore[method-assign]
+        flaky = Flaky(real, lambda i, r=rates[3], g=rng: g.random() < r, MemoryError("a"))
+        pool.alloc_array = flaky  # type: ignore[method-assign]
         prompts = make_prompts(6, seed=100 + seed, shared=5, lo=2, hi=9)
         with contextlib.suppress(OSError, MemoryError):
             eng.generate(prompts, 10)
