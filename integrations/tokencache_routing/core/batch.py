@@ -274,16 +274,19 @@ class PreparedForward:
             raise RuntimeError("forward already committed or discarded")
         self.done = True
         live = self.live() if live is None else live  # the caller's, taken just before
+        every = all(live)
         if self.after is not None:
             rows, source = self.deferred_rows, self.source
             if rows is not None and source is not None and len(rows):
-                fed = np.asarray(live)[rows]
-                if fed.any():
+                if not every:  # only the live rows are fed
+                    fed = np.asarray(live)[rows]
+                    rows, source = rows[fed], source[fed]
+                if len(rows):
                     if self.after.resolved is None:
                         raise RuntimeError("a forward committed before the one it continues")
-                    self.tokens[self.q_off[rows[fed]]] = self.after.resolved[source[fed]]
+                    self.tokens[self.q_off[rows]] = self.after.resolved[source]
             self.after = None
-        if all(live):
+        if every:
             self.handles[0].commit_many(
                 self.side, self.handles, self.q_off, self.tokens, self.new_slots
             )

@@ -587,6 +587,12 @@ class Scheduler:
         if source is None or after is None:
             starts = np.fromiter(map(_LENGTH, handles), np.int64, n)
             fulls = np.fromiter(map(_N, batch), np.int64, n)
+        elif (source >= 0).all():  # every row continues `after` (steady decoding)
+            starts = after.kv_lens[source]
+            fulls = starts + 1  # its drawn token, or the rest of a chunked prompt (below)
+            if after.any_incomplete:
+                for i in after.incomplete[source].nonzero()[0].tolist():
+                    fulls[i] = batch[i].n
         else:  # continued rows from `after`'s arrays, only the others from their requests
             starts, fulls = np.empty(n, np.int64), np.empty(n, np.int64)
             cont, fresh = (source >= 0).nonzero()[0], (source < 0).nonzero()[0]
