@@ -169,3 +169,36 @@ def test_a_decode_step_makes_few_python_calls_per_row(overlap: bool, per_row: in
     few = host_path.calls_per_step(8, 512, "gpu", 10, overlap)
     many = host_path.calls_per_step(64, 512, "gpu", 10, overlap)
     assert 0 < (many - few) / 56 <= per_row
+
+
+def test_steady_overlapped_decoding_goes_on_in_place() -> None:
+    """A step whose rows all continue the step before in their places takes that step's rows,
+    facts and drawn tokens as they are (DeferredTokens.in_place: one device copy, no index);
+    the step after a row left (a request that ends first) goes through the per-row
+    selection, and the steps after it are in place again. (Exactness with overlap on is the
+    other tests'; this one says the steady path is the one taken.)"""
+    benches = str(Path(__file__).resolve().parents[2] / "benches")
+    if benches not in sys.path:
+        sys.path.insert(0, benches)
+    import host_path
+
+    eng = host_path._engine(4, 512, "gpu", EntropyRouter(float("inf")))
+    prompts = host_path._prompts(4, 512)
+    handles = [
+        eng.submit(p, max_new_tokens=m) for p, m in zip(prompts, (6, 12, 12, 12), strict=True)
+    ]
+    seen: list[tuple[int, bool]] = []
+    while not all(h.done() for h in handles):
+        eng.iterate()
+        pending = eng._events.pending
+        deferred = pending.prep.host.deferred if pending is not None else None
+        if deferred is not None:
+            seen.append((len(pending.prep.batch), deferred.in_place))
+            if deferred.in_place:
+                assert pending.prep.after is not None
+                assert pending.prep.facts is pending.prep.after.facts
+    eng.shutdown()
+    assert (4, True) in seen
+    after_leaving = seen.index((3, False))  # the first step without the ended request
+    assert (3, True) in seen[after_leaving:]
+    assert [len(h.tokens) for h in handles] == [6, 12, 12, 12]
