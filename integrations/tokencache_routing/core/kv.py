@@ -208,7 +208,8 @@ class SlotRow:
     @staticmethod
     def committed_many(handles: Sequence[SlotRow], offsets: np.ndarray) -> None:
         """_committed for a batch: handle i took offsets[i + 1] - offsets[i] more tokens."""
-        for h, n in zip(handles, np.diff(offsets).tolist(), strict=True):
+        lens = offsets[1:] - offsets[:-1]  # np.diff, without its wrappers
+        for h, n in zip(handles, lens.tolist(), strict=True):
             h._n += n
 
     def _drop_row(self) -> None:

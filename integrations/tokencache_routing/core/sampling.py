@@ -144,7 +144,7 @@ def draw(
     if sampled is None:
         rows = [i for i, r in enumerate(batch) if not r.sampling.greedy]
     else:
-        rows = np.flatnonzero(sampled).tolist()
+        rows = sampled.nonzero()[0].tolist()  # 1-d: np.flatnonzero's wrappers cost more
     # The sampled rows are written below: into a copy of the forward's greedy tokens.
     tok = logits.argmax(-1) if greedy is None else greedy.clone() if rows else greedy
     if not rows:

@@ -753,7 +753,13 @@ class Scheduler:
             went_on = nxt.batch if len(rows) == len(nxt.batch) else [nxt.batch[i] for i in rows]
             cont = dict(zip(map(id, went_on), rows, strict=True))
         live = prep.live()
-        if cont:
+        # Every row continues in nxt (steady overlapped decoding): no id() per request below.
+        # Only a row's own leaving (leave_next) takes it out of cont, so for every other row
+        # "in cont" stays true.
+        all_continue = len(cont) == len(prep.batch)
+        if all_continue:
+            done = []
+        elif cont:
             done = [r for r, ok in zip(prep.batch, live, strict=True) if ok and id(r) not in cont]
         else:  # nothing continues (no overlap): no id() per request
             done = [r for r, ok in zip(prep.batch, live, strict=True) if ok]
@@ -879,7 +885,7 @@ class Scheduler:
                         if reason is not None or r.abort_requested:
                             self.finish(r, reason or "abort")
                             leave_next(r)
-                        elif id(r) not in cont:
+                        elif not all_continue and id(r) not in cont:
                             self.running.append(r)
                     except Exception as e:
                         self.fail([r], e)
