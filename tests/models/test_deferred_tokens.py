@@ -213,6 +213,10 @@ def test_graph_runner_copies_in_place_deferred_tokens(layout: str) -> None:
     assert runner._tokens[:3].tolist() == source.tolist()
     runner.prepare(_host_batch(step, source, "placeholders", layout, pool))
     assert runner._tokens[:3].tolist() != source.tolist()  # a host step runs its own tokens
+    short = _host_batch(step, source, "deferred", layout, pool)  # of_rows checks nothing:
+    short.deferred = DeferredTokens.of_rows(source[:2], np.arange(3), np.arange(3), True)
+    with pytest.raises(ValueError, match="in_place"):  # the runner does, before any copy
+        runner.prepare(short)
     later, order = Step(step.prefix, step.tokens, step.new, {(0, 0): 2, (2, 0): 1}), [2, 1]
     runner.prepare(_host_batch(later, source, "deferred", layout, pool))
     assert runner._tokens[[0, 2]].tolist() == [source.tolist()[k] for k in order]
