@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +15,44 @@ from tokencache_models.epilogue import entropy_of
 from .rng import splitmix64, to_unit
 
 
-@dataclass
 class RouterFeatures:
-    """What the small model saw at one step, for B requests (row i = request rids[i])."""
+    """What the small model saw at one step, for B requests (row i = request rids[i]).
 
-    logits: torch.Tensor  # [B, V] fp32 next-token logits of the small model
-    hidden: torch.Tensor  # [B, H] final-norm hidden state of the last fed token
-    tokens: torch.Tensor  # [B] int64 the small model's greedy token
-    positions: torch.Tensor  # [B] int64 index of that token among the generated ones
-    rids: torch.Tensor  # [B] int64 request ids
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    logits: [B, V] fp32 next-token logits of the small model; hidden: [B, H] final-norm hidden
+    state of the last fed token; tokens: [B] int64 the small model's greedy token; positions:
+    [B] int64 index of that token among the generated ones; rids: [B] int64 request ids.
+    positions and rids may be given as numpy arrays (the engine's, kept on the host): they
+    become tensors when a router first reads them, so a router that reads neither makes no
+    tensor for them (each op of a step's host path costs microseconds)."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | np.ndarray,
+        rids: torch.Tensor | np.ndarray,
+    ) -> None:
+        self.logits = logits
+        self.hidden = hidden
+        self.tokens = tokens
+        self._positions = positions
+        self._rids = rids
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def positions(self) -> torch.Tensor:
+        p = self._positions
+        if isinstance(p, np.ndarray):
+            p = self._positions = torch.from_numpy(p)
+        return p
+
+    @property
+    def rids(self) -> torch.Tensor:
+        r = self._rids
+        if isinstance(r, np.ndarray):
+            r = self._rids = torch.from_numpy(r)
+        return r
 
     @property
     def log_probs(self) -> torch.Tensor:

@@ -201,7 +201,10 @@ class Decisions:
                 raise TypeError(f"router answered a tensor of {answer.dtype}, not booleans")
             if answer.numel() != rows:
                 raise ValueError(f"router answered {answer.numel()} decisions for {rows} requests")
-            self._readback: Readback | None = Readback([answer.detach().reshape(-1)])
+            flat = answer if answer.dim() == 1 else answer.reshape(-1)
+            if flat.requires_grad:  # a learned router's answer: its graph is not kept
+                flat = flat.detach()
+            self._readback: Readback | None = Readback([flat])
             self._host: list[bool] | None = None
             return
         arr = np.asarray(answer)
@@ -239,12 +242,12 @@ def route(
         prompt_len = np.fromiter((r.prompt_len for r in batch), np.int64, n)
     if route_key is None:
         route_key = np.fromiter((r.route_key for r in batch), np.int64, n)
-    feats = RouterFeatures(
+    feats = RouterFeatures(  # positions and rids: tensors once a router reads them
         logits=out.logits,
         hidden=out.hidden,
         tokens=tokens,
-        positions=torch.from_numpy(np.asarray(index, np.int64) - prompt_len),
-        rids=torch.from_numpy(np.array(route_key, np.int64)),  # a copy: routers may keep it
+        positions=np.asarray(index, np.int64) - prompt_len,
+        rids=np.array(route_key, np.int64),  # a copy: routers may keep it
     )
     if out.entropy is not None:  # computed by the forward's epilogue
         feats._cache["entropy"] = out.entropy
