@@ -148,6 +148,7 @@ class DecodeGraphRunner:
             for _ in range(0 if device.type == "cpu" else 2)
         ]
         self._next_staging = 0
+        self._token_views: dict[int, torch.Tensor] = {}  # _tokens[:m], by m
         # Their numpy views, made once (a view per step costs more than the writes into it).
         self._inputs_host: np.ndarray | None = (
             self._inputs.numpy() if device.type == "cpu" else None
@@ -291,7 +292,10 @@ class DecodeGraphRunner:
             # address it captured; a static source buffer would cost the same gather to fill,
             # and m varies per step, so the graphs and their keys stay as they were.
             if deferred.in_place:  # token i is source[i], for every i < m: one copy
-                self._tokens[:m].copy_(deferred.source)
+                view = self._token_views.get(m)
+                if view is None:  # one slice per batch size, kept: a step makes no view
+                    view = self._token_views[m] = self._tokens[:m]
+                view.copy_(deferred.source)
             else:
                 index, dest = self._deferred_index[:m], self._deferred_dest[:m]
                 self._tokens.index_copy_(0, dest, deferred.gather(index))
