@@ -81,7 +81,8 @@ run_mutmut() {
     cp -r "$src/integrations/tokencache_routing" "$src/integrations/tokencache_models" "$d/"
     [ "$pkg" = tokencache_routing ] || cp -r "$src/integrations/$pkg" "$d/"
     cp -r "$src/tests/$kind" "$d/tests/"
-    local tests_var="$prefix$m" tests also="tokencache_models/"
+    cp -r "$src/benches" "$d/"  # tests/routing/test_host_path.py imports benches/host_path.py
+    local tests_var="$prefix$m" tests also="tokencache_models/ benches/"
     tests="${!tests_var:-tests/$kind}"
     [ "$pkg" = tokencache_routing ] || also="tokencache_routing/ $also"
     {
