@@ -274,14 +274,14 @@ class DecodeGraphRunner:
         m = len(deferred) if deferred is not None else 0
         if deferred is not None:
             deferred.check_device(self._tokens.device)
-            if deferred.in_place and deferred.source.shape[0] != m:  # host-known: no sync
+            if not deferred.in_place:  # in place: a plain copy below, no index
+                host[at[8] : at[8] + m] = deferred.index
+                host[at[9] : at[9] + m] = deferred.dest
+            elif deferred.source.shape[0] != m:  # a host-known shape: no sync
                 raise ValueError(
                     f"DeferredTokens.in_place: a source of {deferred.source.shape[0]} tokens "
                     f"for {m} destinations"
                 )
-            if not deferred.in_place:  # in place: a plain copy below, no index
-                host[at[8] : at[8] + m] = deferred.index
-                host[at[9] : at[9] + m] = deferred.dest
         if self._staging:
             self._inputs.copy_(staging, non_blocking=True)
         if deferred is not None and m:

@@ -15,6 +15,11 @@ from tokencache_models.epilogue import entropy_of
 from .rng import splitmix64, to_unit
 
 
+def _as_tensor(x: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A host array as a tensor sharing its memory (a tensor as it is)."""
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
 class RouterFeatures:
     """What the small model saw at one step, for B requests (row i = request rids[i]).
 
@@ -42,16 +47,12 @@ class RouterFeatures:
 
     @property
     def positions(self) -> torch.Tensor:
-        p = self._positions
-        if isinstance(p, np.ndarray):
-            p = self._positions = torch.from_numpy(p)
+        self._positions = p = _as_tensor(self._positions)
         return p
 
     @property
     def rids(self) -> torch.Tensor:
-        r = self._rids
-        if isinstance(r, np.ndarray):
-            r = self._rids = torch.from_numpy(r)
+        self._rids = r = _as_tensor(self._rids)
         return r
 
     @property
