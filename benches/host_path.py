@@ -112,11 +112,19 @@ class Row:
 
 
 def _engine(
-    batch: int, context: int, runner: str, router: Any, catchup_batch: int = 1, overlap: bool = True
+    batch: int,
+    context: int,
+    runner: str,
+    router: Any,
+    new_tokens: int,
+    catchup_batch: int = 1,
+    overlap: bool = True,
 ) -> RoutedEngine:
     small = stub_device(random_model(CONFIG, seed=1), runner)
     large = stub_device(random_model(CONFIG, seed=2), runner)
-    slots = context + batch * (OWN_TOKENS + 64) + 1024
+    # Room for every request's whole generation: a pool that runs dry evicts and preempts,
+    # and the steps timed would then be the full-batch ones before it did.
+    slots = context + batch * (OWN_TOKENS + new_tokens + 16) + 1024
     return RoutedEngine(
         small,
         large,
@@ -139,8 +147,9 @@ def _prompts(batch: int, context: int) -> list[list[int]]:
 
 def _decoding(batch: int, context: int, runner: str, steps: int, overlap: bool) -> RoutedEngine:
     """An engine whose batch has prefilled and taken a first decode step."""
-    eng = _engine(batch, context, runner, EntropyRouter(math.inf), overlap=overlap)
-    handles = [eng.submit(p, max_new_tokens=steps + 8) for p in _prompts(batch, context)]
+    new = steps + 8
+    eng = _engine(batch, context, runner, EntropyRouter(math.inf), new, overlap=overlap)
+    handles = [eng.submit(p, max_new_tokens=new) for p in _prompts(batch, context)]
     while any(len(h.tokens) < 2 for h in handles):  # prefills and a first decode step
         eng.iterate()
     return eng
@@ -184,8 +193,9 @@ def catchup_row(
     escalates at generated positions 0 (the first catch-up prefills its prompt) and then every
     10th; the later catch-ups are timed."""
     router = ScriptedRouter(default=range(0, 10 * (rounds + 1) + 1, 10))
-    eng = _engine(requests, context, runner, router, catchup_batch=requests, overlap=overlap)
-    handles = [eng.submit(p, 10 * (rounds + 1) + 2) for p in _prompts(requests, context)]
+    new = 10 * (rounds + 1) + 2
+    eng = _engine(requests, context, runner, router, new, catchup_batch=requests, overlap=overlap)
+    handles = [eng.submit(p, new) for p in _prompts(requests, context)]
     st = eng.stats
     host, device = [], []
     first = True

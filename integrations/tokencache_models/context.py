@@ -226,17 +226,19 @@ class HostBatch:
         kv_lens: np.ndarray,
         *,
         deferred: DeferredTokens | None = None,
+        kv_starts: np.ndarray | None = None,
     ) -> HostBatch:
         """A forward over slot-table rows whose entries [0, kv_lens[i]) already hold each
         request's slots, this forward's new ones included (SlotTable.scatter). deferred: input
-        tokens still on the device (their token_ids entries are placeholders)."""
+        tokens still on the device (their token_ids entries are placeholders). kv_starts:
+        table.starts(rows), when the caller kept them (the same rows, the storage unmoved)."""
         return cls(
             token_ids=token_ids,
             positions=positions,
             out_slots=out_slots,
             q_offsets=q_offsets,
             kv_slots=table.flat_host,
-            kv_starts=table.starts(rows),
+            kv_starts=table.starts(rows) if kv_starts is None else kv_starts,
             kv_lens=kv_lens,
             num_real=len(rows),
             table=table,
@@ -279,7 +281,10 @@ class HostBatch:
             # decode: one new token a row (no q_lens to derive)
             caps = self.kv_lens[:n] - (1 if self.is_decode else self.q_lens[:n])
             if self.table is not None and self.rows is not None:
-                found = self.table.prefix_groups(self.rows[:n], caps)
+                # The rows array itself where it is all real: steady decoding passes the same
+                # one each step, and the table gives its kept answer for it (no row looked at).
+                rows = self.rows if len(self.rows) == n else self.rows[:n]
+                found = self.table.prefix_groups(rows, caps)
             else:
                 found = groups_over_rows(self.kv_slots, self.kv_starts[:n], caps)
             self.memo["groups"] = found

@@ -128,6 +128,17 @@ def test_one_prompt_gives_one_group_and_decoding_compares_nothing_new() -> None:
         for i, r in enumerate(rows.tolist()):
             t.write(r, 502 + step, np.array([20_000 + 100 * i + step]))
         assert t.prefix_groups(rows, caps + 1 + step) == [g]
+    assert t._carried is not None and t._carried.rows is rows  # the kept answer was given
+    # Asked over shorter caps (not a step of steady decoding), the answer is found afresh.
+    (short,) = t.prefix_groups(rows, np.full(32, 300))
+    assert short.rows == g.rows and short.length == 300
+    # A row released and taken again by another prompt (the same row, the same rows array):
+    # found afresh too, without the row.
+    t.release(int(rows[0]))
+    assert t.acquire() == rows[0]
+    t.write(int(rows[0]), 0, np.arange(50_000, 50_600))
+    (rest,) = t.prefix_groups(rows, np.full(32, 504))
+    assert rest.rows == tuple(range(1, 32)) and rest.length == 500
 
 
 def test_a_patched_entry_is_checked_again_and_cuts_back_its_reference() -> None:
@@ -184,3 +195,86 @@ def test_nested_groups_save_the_most_a_split_by_levels_can(levels: list[int], da
                 rows_in = 0
         best = max(best, saved)
     assert sum(g.saved_reads for g in groups) == best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(1, 3)), min_size=2, max_size=12
+    ),
+    st.lists(
+        st.sampled_from(["decode"] * 3 + ["dedup"] * 2 + ["patch", "admit", "release"]),
+        max_size=16,
+    ),
+    st.integers(1, 12),
+    st.randoms(use_true_random=False),
+)
+def test_kept_groups_are_the_groups_asked_afresh(
+    spec: list[tuple[int, int, int]], ops: list[str], min_len: int, rnd: Any
+) -> None:
+    """Steady decoding asks prefix_groups over the same rows array each step and gets the kept
+    answer (_Carried) while only appends happened. After every step the answer equals the one
+    the kept facts give when asked afresh (the kept answer dropped), and every claim holds slot
+    for slot in the rows as written. In between: patches (a commit's cached slot: one no row
+    holds, or, as a tree's dedup gives, the slot another row on the same path holds there, so
+    the two share more than before), admissions and releases."""
+    prompts = {0: np.arange(100, 160), 1: np.arange(200, 230)}
+    prompts[2] = np.concatenate((prompts[0], np.arange(300, 320)))
+    prompts[3] = np.concatenate((prompts[0][:30], np.arange(400, 420)))
+    t = SlotTable(rows=4, width=16, scratch_slot=SCRATCH, max_width=4096)
+    fresh = iter(range(10_000, 1_000_000))
+    lists: dict[int, list[int]] = {}
+
+    def admit(prompt: int, cut: int, own: int) -> None:
+        # As a forward's rows hold: the slots from its cap on are the step's new ones, fresh.
+        slots = np.concatenate((prompts[prompt][:cut], [next(fresh) for _ in range(own)]))
+        r = t.acquire()
+        t.write(r, 0, slots)
+        lists[r] = slots.tolist()
+
+    for prompt, cut, own in spec:
+        admit(prompt, cut, own)
+    rows = np.array(sorted(lists))
+    asked = 0
+    for op in ["decode", *ops]:
+        if op == "decode":  # one fresh slot a row, appended; the same rows array asked again
+            new = np.array([next(fresh) for _ in rows])
+            t.scatter(rows, np.array([len(lists[r]) for r in rows.tolist()]), new)
+            for r, s in zip(rows.tolist(), new.tolist(), strict=True):
+                lists[r].append(s)
+        elif op in ("patch", "dedup"):
+            # A commit finds one of a row's newest slots cached (with overlap, the step
+            # before the newest): the tree's slot for that token on the row's path replaces
+            # it: one no row holds (a finished request's), or, a dedup, the one another row
+            # on the same path holds there (so the two share one more slot).
+            r = int(rnd.choice(rows.tolist()))
+            pos = len(lists[r]) - rnd.randint(1, 2)
+            same_path = [
+                o for o in rows.tolist()
+                if o != r and len(lists[o]) > pos and lists[o][:pos] == lists[r][:pos]
+            ]  # fmt: skip
+            if op == "patch" or not same_path:
+                cached = next(fresh)
+            else:
+                cached = lists[int(rnd.choice(same_path))][pos]
+            t.patch(np.array([r]), np.array([pos]), np.array([cached]))
+            lists[r][pos] = cached
+        elif op == "admit":
+            admit(*spec[rnd.randrange(len(spec))])
+            rows = np.array(sorted(lists))
+        elif len(rows) > 2:  # release
+            r = int(rnd.choice(rows.tolist()))
+            t.release(r)
+            del lists[r]
+            rows = np.array(sorted(lists))
+        caps = np.array([len(lists[r]) - 1 for r in rows.tolist()])  # the last: this step's
+        kept_before = t._carried is not None and t._carried.rows is rows
+        got = t.prefix_groups(rows, caps, min_len=min_len)
+        asked += kept_before and op == "decode"
+        t._carried = None
+        assert got == t.prefix_groups(rows, caps, min_len=min_len)
+        for g in got:
+            anchor = lists[int(rows[g.rows[0]])][: g.length]
+            for i in g.rows:
+                assert g.length <= caps[i]
+                assert lists[int(rows[i])][: g.length] == anchor

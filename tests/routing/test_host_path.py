@@ -183,12 +183,13 @@ def test_steady_overlapped_decoding_goes_on_in_place() -> None:
         sys.path.insert(0, benches)
     import host_path
 
-    eng = host_path._engine(4, 512, "gpu", EntropyRouter(float("inf")))
+    eng = host_path._engine(4, 512, "gpu", EntropyRouter(float("inf")), 12)
     prompts = host_path._prompts(4, 512)
     handles = [
         eng.submit(p, max_new_tokens=m) for p, m in zip(prompts, (6, 12, 12, 12), strict=True)
     ]
     seen: list[tuple[int, bool]] = []
+    kept = 0  # in-place steps given the step before's shared-prefix groups as kept
     while not all(h.done() for h in handles):
         eng.iterate()
         pending = eng._events.pending
@@ -196,10 +197,19 @@ def test_steady_overlapped_decoding_goes_on_in_place() -> None:
         if deferred is not None:
             seen.append((len(pending.prep.batch), deferred.in_place))
             if deferred.in_place:
-                assert pending.prep.after is not None
-                assert pending.prep.facts is pending.prep.after.facts
+                prep, after = pending.prep, pending.prep.after
+                assert after is not None
+                assert prep.facts is after.facts and prep.host.rows is after.host.rows
+                assert prep.host.kv_starts is after.host.kv_starts
+                if after.num_tokens == len(after.batch):  # a decode step before: its offsets
+                    assert prep.q_off is after.q_off
+                    table = prep.host.table
+                    assert prep.host.candidate_groups() == after.host.candidate_groups()
+                    assert table is not None and table._carried is not None
+                    kept += table._carried.rows is prep.host.rows  # the kept answer, given
     eng.shutdown()
     assert (4, True) in seen
     after_leaving = seen.index((3, False))  # the first step without the ended request
     assert (3, True) in seen[after_leaving:]
     assert [len(h.tokens) for h in handles] == [6, 12, 12, 12]
+    assert kept > 0

@@ -397,6 +397,20 @@ class RowPlan:
         )
 
 
+def _all_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n Trues and arange(n), read only (kept per n): an in-place step's continuing rows and
+    their places, the same each step."""
+    kept = _ALL_ROWS.get(n)
+    if kept is None:
+        every, places = np.ones(n, np.bool_), np.arange(n, dtype=np.int64)
+        every.flags.writeable = places.flags.writeable = False
+        kept = _ALL_ROWS[n] = (every, places)
+    return kept
+
+
+_ALL_ROWS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
 def prepare_forward(
     side: ModelSide,
     batch: Sequence[Request],
@@ -426,8 +440,7 @@ def prepare_forward(
     )
     if in_place:
         assert after is not None and after.host.rows is not None
-        cont = np.ones(n, np.bool_)
-        dest = np.arange(n)
+        cont, dest = _all_rows(n)
         rows = after.host.rows  # read only, here and there
     elif after is not None and source is not None:
         cont = source >= 0
@@ -444,13 +457,16 @@ def prepare_forward(
             rows[fresh] = np.fromiter((handles[i].row for i in fresh), np.int64, len(fresh))
     else:
         rows = np.fromiter(map(_ROW, handles), np.int64, n)
-    q_lens = ends - starts
-    q_off = np.zeros(n + 1, dtype=np.int64)
-    q_lens.cumsum(out=q_off[1:])  # the method: np.cumsum's wrappers are three more calls
-    total = int(q_off[-1])
+    if in_place and after is not None and after.num_tokens == n:
+        q_off, total = after.q_off, n  # one token a row there and here: arange(n + 1), kept
+    else:
+        q_lens = ends - starts
+        q_off = np.zeros(n + 1, dtype=np.int64)
+        q_lens.cumsum(out=q_off[1:])  # the method: np.cumsum's wrappers are three more calls
+        total = int(q_off[-1])
     if total == n:  # decode: each request's one token at its last position
-        if dest is not None and len(dest) == n:  # all deferred: placeholders, set below
-            tokens = np.zeros(n, np.int64)
+        if dest is not None and len(dest) == n:  # all deferred: placeholders (the runner
+            tokens = np.zeros(n, np.int64)  # writes the drawn ids over them)
         else:
             tokens = np.fromiter(
                 (r.seq[e - 1] for r, e in zip(batch, ends.tolist(), strict=True)), np.int64, n
@@ -469,11 +485,17 @@ def prepare_forward(
     src: np.ndarray | None = None  # the continued rows' sources of their input tokens
     try:  # until a PreparedForward owns them, nothing else would give these slots back
         side.table.scatter(token_rows, positions, new_slots)
-        host = HostBatch.from_table(side.table, rows, tokens, positions, new_slots, q_off, ends)
+        # In place, the rows' starts are `after`'s while the table's storage stayed put.
+        kept = in_place and after is not None and after.host.kv_slots is side.table.flat_host
+        host = HostBatch.from_table(
+            side.table, rows, tokens, positions, new_slots, q_off, ends,
+            kv_starts=after.host.kv_starts if kept and after is not None else None,
+        )  # fmt: skip
         if after is not None and source is not None and dest is not None and len(dest):
             assert after.drawn is not None, "the forward continued from was not launched"
-            src = source[dest]
-            tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids over them)
+            src = source if in_place else source[dest]  # in place: both arange(n)
+            if len(dest) < total:  # else tokens are all placeholders already (zeros)
+                tokens[q_off[dest]] = 0  # placeholders (the runner writes the drawn ids)
             # Valid by construction: src rows of that draw, q_off[dest] distinct row starts
             # (in place: both arange(n), n the draw's length).
             host.deferred = DeferredTokens.of_rows(
