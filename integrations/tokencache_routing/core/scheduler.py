@@ -630,7 +630,9 @@ class Scheduler:
         side = self.sides[kind]
         ahead = ahead or {}
         try:
-            attach_all(batch if not ahead else [r for r in batch if id(r) not in ahead], kind)
+            if len(ahead) < len(batch):  # else every row continues `after` (ahead is a part
+                # of batch here): attached there
+                attach_all(batch if not ahead else [r for r in batch if id(r) not in ahead], kind)
             plan = self._plan(batch, kind, after, ahead, source)
             if side.pool.available < plan.need:  # evict, or preempt (rare: plan again after)
                 rows = len(batch)
@@ -659,7 +661,10 @@ class Scheduler:
         if plan.source is None:
             fresh = batch
         else:
-            fresh = [batch[i] for i in (plan.source < 0).nonzero()[0].tolist()]
+            new_rows = (plan.source < 0).nonzero()[0]
+            if not len(new_rows):  # every row continues `after`: busy there already
+                return prep
+            fresh = [batch[i] for i in new_rows.tolist()]
         for r in fresh:
             r.busy_model = kind
         self.busy += fresh
@@ -748,15 +753,18 @@ class Scheduler:
         st = self.stats
         nxt, prep.successor = prep.successor, None
         cont: dict[int, int] = {}  # id(request) -> its row in nxt
+        rows_there: list[int] = []  # nxt's rows that continue this step's, in batch order
         if nxt is not None and nxt.ahead is not None:
-            rows = nxt.ahead.nonzero()[0].tolist()
-            went_on = nxt.batch if len(rows) == len(nxt.batch) else [nxt.batch[i] for i in rows]
-            cont = dict(zip(map(id, went_on), rows, strict=True))
+            rows_there = nxt.ahead.nonzero()[0].tolist()
+        # Every row continues in nxt (steady overlapped decoding): no id() per request below,
+        # and cont is made only once a row leaves nxt (prep.batch is nxt's continuing rows, in
+        # order). Only a row's own leaving (leave_next) takes it out of cont, so for every
+        # other row "in cont" stays true.
+        all_continue = len(rows_there) == len(prep.batch)
+        if rows_there and not all_continue:
+            went_on = [nxt.batch[i] for i in rows_there] if nxt is not None else []
+            cont = dict(zip(map(id, went_on), rows_there, strict=True))
         live = prep.live()
-        # Every row continues in nxt (steady overlapped decoding): no id() per request below.
-        # Only a row's own leaving (leave_next) takes it out of cont, so for every other row
-        # "in cont" stays true.
-        all_continue = len(cont) == len(prep.batch)
         if all_continue:
             done = []
         elif cont:
@@ -768,6 +776,9 @@ class Scheduler:
 
         def leave_next(r: Request) -> None:
             """r will not continue in nxt: its row there is dropped, it is not busy."""
+            if all_continue and not cont and rows_there:  # the first to leave: cont made now
+                cont.update(zip(map(id, prep.batch), rows_there, strict=True))
+                rows_there.clear()
             row = cont.pop(id(r), None)
             if row is not None and nxt is not None:
                 nxt.dropped.add(row)
@@ -785,7 +796,7 @@ class Scheduler:
             for r in self._partial(prep, live):  # a chunk short of its end: the next is due
                 if r.finished_reason is not None:
                     continue
-                if id(r) in cont:  # it runs in nxt, unless aborted meanwhile
+                if all_continue or id(r) in cont:  # it runs in nxt, unless aborted meanwhile
                     if not r.abort_requested:
                         continue
                     leave_next(r)
