@@ -368,9 +368,11 @@ class ForwardOutput:
     logits: torch.Tensor  # [B, vocab] next-token logits after each request's last new token
     hidden: torch.Tensor  # [B, hidden] final-norm output of each request's last new token
     # Set by an Epilogue (epilogue.py) when the forward was asked for one: each row's argmax
-    # over the epilogue's vocabulary ([B] int64) and its entropy ([B] float32), on the device.
+    # over the epilogue's vocabulary ([B] int64), its entropy ([B] float32) and an entropy
+    # router's answer ([B] bool), on the device.
     greedy: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    escalate: torch.Tensor | None = None
 
     def each(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ForwardOutput:
         """fn applied to every tensor of the output (the epilogue's too, when there)."""
@@ -379,6 +381,7 @@ class ForwardOutput:
             hidden=fn(self.hidden),
             greedy=fn(self.greedy) if self.greedy is not None else None,
             entropy=fn(self.entropy) if self.entropy is not None else None,
+            escalate=fn(self.escalate) if self.escalate is not None else None,
         )
 
     def rows(self, idx: torch.Tensor) -> ForwardOutput:

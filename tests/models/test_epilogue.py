@@ -1,5 +1,6 @@
-"""The forward's epilogue: greedy tokens and entropy computed on the device, equal to what the
-host-side code computes from the same logits, on every path (eager, padded static, meta)."""
+"""The forward's epilogue: greedy tokens, entropy and an entropy router's answer computed on the
+device, equal to what the host-side code computes from the same logits, on every path (eager,
+padded static, meta)."""
 
 from __future__ import annotations
 
@@ -58,11 +59,43 @@ def test_apply_equals_the_host_computation(vocab: int) -> None:
     assert plain.entropy is None and torch.equal(plain.greedy, out.greedy)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("threshold", [0.0, 1.7, 4.1, float("inf")])
+def test_escalate_is_the_entropy_routers_answer(threshold: float) -> None:
+    """escalate_at: the router's own comparison on the same entropy (bit for bit), rows and
+    padding columns as for the entropy; a threshold at a row's entropy escalates it (>=)."""
+    from tokencache_routing import EntropyRouter
+
+    logits = torch.randn(9, 96, generator=torch.Generator().manual_seed(2)) * 3
+    logits[4] = 0.0  # uniform: entropy log(90), > every finite threshold here
+    out = Epilogue(90, entropy=True, escalate_at=threshold).apply(
+        ForwardOutput(logits, torch.zeros(9, 4))
+    )
+    empty = torch.zeros(0)
+    routed = EntropyRouter(threshold).route(
+        RouterFeatures(logits[:, :90], empty, empty, empty, empty)
+    )
+    assert out.escalate is not None and out.escalate.dtype == torch.bool
+    assert torch.equal(out.escalate, routed)
+    assert out.escalate[4] == (threshold < float("inf"))
+    assert out.entropy is not None
+    at = Epilogue(90, entropy=True, escalate_at=float(out.entropy[2])).apply(
+        ForwardOutput(logits, torch.zeros(9, 4))
+    )
+    assert at.escalate is not None and bool(at.escalate[2])
+    sel = out.rows(torch.tensor([4, 1]))
+    assert sel.escalate is not None and sel.escalate.tolist() == out.escalate[[4, 1]].tolist()
+    assert (
+        Epilogue(90, entropy=True).apply(ForwardOutput(logits, torch.zeros(9, 4))).escalate is None
+    )
+
+
 def test_bad_vocabulary_is_refused() -> None:
     with pytest.raises(ValueError, match="vocab must be >= 1"):
         Epilogue(0)
     with pytest.raises(ValueError, match="logits have 8"):
         Epilogue(9).apply(ForwardOutput(torch.zeros(2, 8), torch.zeros(2, 4)))
+    with pytest.raises(ValueError, match="needs entropy=True"):
+        Epilogue(9, escalate_at=0.5)
 
 
 def test_rows_keep_the_epilogue_values() -> None:

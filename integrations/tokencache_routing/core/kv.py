@@ -78,7 +78,7 @@ class ModelSide:
         )
         # The ids sampled and routed over (the engine's: both models' shared vocabulary).
         self.vocab_size = model.config.vocab_size
-        self._epilogues: dict[tuple[int, bool], Epilogue] = {}
+        self._epilogues: dict[tuple[int, bool, float | None], Epilogue] = {}
         self.bookkeeping_s = 0.0
         # The same time by tree operation (match, lock, insert, unlock, extend, release,
         # evict): the published per-step breakdown is in these terms.
@@ -92,12 +92,15 @@ class ModelSide:
 
     def epilogue(self, router: Router | None = None) -> Epilogue:
         """What this side's forwards compute from their logits on the device: each row's
-        greedy token over the shared vocabulary, and the entropy when the router reads it."""
+        greedy token over the shared vocabulary, the entropy when the router reads it, and
+        the router's answer when that is an entropy threshold (Router.device_threshold)."""
         entropy = "entropy" in getattr(router, "device_features", ())  # any router object
-        key = (self.vocab_size, entropy)
+        threshold = getattr(router, "device_threshold", None)
+        at = threshold() if entropy and threshold is not None else None
+        key = (self.vocab_size, entropy, at)
         e = self._epilogues.get(key)
         if e is None:
-            e = self._epilogues[key] = Epilogue(self.vocab_size, entropy)
+            e = self._epilogues[key] = Epilogue(self.vocab_size, entropy, at)
         return e
 
     def sync(self) -> None:

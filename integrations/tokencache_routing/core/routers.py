@@ -95,6 +95,12 @@ class Router:
     def route(self, f: RouterFeatures) -> torch.Tensor:
         raise NotImplementedError
 
+    def device_threshold(self) -> float | None:
+        """t when this router's whole answer is entropy >= t, which the forward's epilogue
+        then computes on the device (Epilogue.escalate_at) instead of a route() call after
+        the step; else None (route() answers)."""
+        return None
+
 
 class EntropyRouter(Router):
     """Escalate when the small model's entropy is at or above a threshold (R2R baseline 0.45)."""
@@ -106,6 +112,10 @@ class EntropyRouter(Router):
 
     def route(self, f: RouterFeatures) -> torch.Tensor:
         return f.entropy >= self.threshold
+
+    def device_threshold(self) -> float | None:
+        # A subclass routing otherwise (its own route) answers itself.
+        return self.threshold if type(self).route is EntropyRouter.route else None
 
 
 class Top1ProbRouter(Router):

@@ -236,8 +236,12 @@ def route(
     router's is (index: the place of each row's token in its request, so its generated
     position is index - prompt length even for a row continuing a step not finished yet;
     prompt_len / route_key: the requests', when the caller has them as arrays). A router may
-    answer with a bool tensor, a numpy array or a list, one entry per request."""
+    answer with a bool tensor, a numpy array or a list, one entry per request. Where the
+    forward's epilogue computed the router's answer (Router.device_threshold), that is it:
+    nothing is built or launched here."""
     n = len(batch)
+    if out.escalate is not None:
+        return Decisions(out.escalate, n)
     if prompt_len is None:
         prompt_len = np.fromiter((r.prompt_len for r in batch), np.int64, n)
     if route_key is None:
