@@ -114,8 +114,12 @@ class EntropyRouter(Router):
         return f.entropy >= self.threshold
 
     def device_threshold(self) -> float | None:
-        # A subclass routing otherwise (its own route) answers itself.
-        return self.threshold if type(self).route is EntropyRouter.route else None
+        # A subclass routing otherwise (its own route) answers itself; so does a threshold
+        # that is no plain number (a tensor: no graph key) or NaN (a key equal to no other).
+        t = self.threshold
+        if type(self).route is not EntropyRouter.route or type(t) not in (float, int):
+            return None
+        return t if t == t else None
 
 
 class Top1ProbRouter(Router):
