@@ -281,10 +281,7 @@ class HostBatch:
             # decode: one new token a row (no q_lens to derive)
             caps = self.kv_lens[:n] - (1 if self.is_decode else self.q_lens[:n])
             if self.table is not None and self.rows is not None:
-                # The rows array itself where it is all real: steady decoding passes the same
-                # one each step, and the table gives its kept answer for it (no row looked at).
-                rows = self.rows if len(self.rows) == n else self.rows[:n]
-                found = self.table.prefix_groups(rows, caps)
+                found = self.table.prefix_groups(self.rows[:n], caps)
             else:
                 found = groups_over_rows(self.kv_slots, self.kv_starts[:n], caps)
             self.memo["groups"] = found

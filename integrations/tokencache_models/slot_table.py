@@ -61,6 +61,7 @@ class SlotTable:
         # move of the storage): the kept groups (_carried) hold while it stays.
         self.version = 0
         self._carried: _Carried | None = None
+        self.groups_kept = 0  # prefix_groups calls answered from the kept answer (_Carried)
         self.generation = 0  # bumped when the storage moves (CUDA graphs hold its address)
         self.host = np.zeros((0, 1), np.int64)
         self._allocate(rows, width)
@@ -276,18 +277,19 @@ class SlotTable:
         prompts that part from the reference at the same place are grouped at that place (a
         conservative P). The max_groups saving the most are kept, ordered by first row.
 
-        Asked again over the same `rows` array (the same object: steady decoding keeps it)
-        with caps no shorter, and nothing but appends since (`version`), the last answer is
-        given again when it came from the steady shape (_Carried)."""
+        Asked again over the same rows (steady decoding, overlapped or serial) with caps no
+        shorter, and nothing but appends since (`version`), the last answer is given again
+        when it came from the steady shape (_Carried)."""
         kept = self._carried
         if (
             kept is not None
-            and kept.rows is rows
             and kept.version == self.version
+            and _same(kept.rows, rows)
             and kept.min_len == min_len
             and kept.max_groups == max_groups
             and bool(np.less_equal(kept.caps, caps).all())
         ):
+            self.groups_kept += 1
             return list(kept.groups)
         self._carried = None
         n = len(rows)
@@ -317,12 +319,15 @@ class SlotTable:
             groups.sort(key=lambda g: -g.saved_reads)
             groups = sorted(groups[:max_groups], key=lambda g: g.rows[0])
         if steady:
-            self._carried = _Carried(rows, caps.copy(), self.version, min_len, max_groups, groups)
+            self._carried = _Carried(
+                rows.copy(), caps.copy(), self.version, min_len, max_groups, groups
+            )
         return groups
 
 
 class _Carried:
-    """SlotTable.prefix_groups' last answer, kept for the same rows asked again. It holds
+    """SlotTable.prefix_groups' last answer, kept for the same rows asked again (a copy of
+    the rows: an array the caller passed may be written later). It holds
     while the table saw appends only and every row was long enough with every reference's
     rows on one level but at most one row above it (_one_level: steady decoding's shape).
     Then appends change nothing asked: a row's new slots are its own (fresh from the
@@ -347,6 +352,10 @@ class _Carried:
     ) -> None:
         self.rows, self.caps, self.version = rows, caps, version
         self.min_len, self.max_groups, self.groups = min_len, max_groups, list(groups)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return len(a) == len(b) and bool((a == b).all())
 
 
 def _one_level(shared: np.ndarray) -> bool:
