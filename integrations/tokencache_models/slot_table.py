@@ -308,13 +308,13 @@ class SlotTable:
         if len(eligible) >= 2:
             keys = self._key[rows[eligible]]
             if int(keys.min()) == int(keys.max()):  # one reference (one shared prompt): no split
-                steady &= _one_level(eff[eligible])
+                steady &= _top_alone(eff[eligible])
                 groups = _nested_groups(eligible, eff[eligible])
             else:
                 for key in np.unique(keys).tolist():
                     members = eligible[keys == key]
                     if len(members) >= 2:
-                        steady &= _one_level(eff[members])
+                        steady &= _top_alone(eff[members])
                         groups += _nested_groups(members, eff[members])
             groups.sort(key=lambda g: -g.saved_reads)
             groups = sorted(groups[:max_groups], key=lambda g: g.rows[0])
@@ -327,17 +327,20 @@ class SlotTable:
 
 class _Carried:
     """SlotTable.prefix_groups' last answer, kept for the same rows asked again (a copy of
-    the rows: an array the caller passed may be written later). It holds
-    while the table saw appends only and every row was long enough with every reference's
-    rows on one level but at most one row above it (_one_level: steady decoding's shape).
-    Then appends change nothing asked: a row's new slots are its own (fresh from the
-    allocator, held by nobody else; a cached one comes through patch, which bumps the
-    version), so the only row whose shared length grows is its reference's owner (the
-    reference grows with the owner's slots); a row that matched its reference up to its
-    cap parts from it at the next slot, where its shared length already stood. The owner
-    is a reference's longest row (the one above, or on the one level), so the level and
-    with it every group (one per reference, all its rows, P the level) stay as they were;
-    the eligible rows too (shared lengths only grow, caps are no shorter)."""
+    the rows: an array the caller passed may be written later). It holds while the table saw
+    appends only, every row was long enough and, on every reference, the longest row stood
+    alone above the others or every row on one level (_top_alone).
+
+    Appends change no shared length but the reference owner's: a row's new slots are its
+    own (fresh from the allocator, held by nobody else; a cached one comes through patch,
+    which bumps the version), so only the owner, whose slots the reference grows with,
+    shares more; a row that matched its reference up to its cap parts from it at the next
+    slot, where its shared length already stood (or, longer than the reference, stays at
+    its length). The owner is its reference's longest row. Alone above the others, its
+    length is the least of no group with two rows (a group's P is its lowest level), so the
+    split and every group stay as they were; on one level with the others, it rises alone
+    above them and they keep the level, the one group's P. The eligible rows stay too
+    (shared lengths only grow, caps are no shorter)."""
 
     __slots__ = ("caps", "groups", "max_groups", "min_len", "rows", "version")
 
@@ -358,9 +361,10 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return len(a) == len(b) and bool((a == b).all())
 
 
-def _one_level(shared: np.ndarray) -> bool:
-    """Every shared length but at most one equals the least (_nested_groups' fast path)."""
-    return int((shared == shared.min()).sum()) >= len(shared) - 1
+def _top_alone(shared: np.ndarray) -> bool:
+    """One row's shared length is above every other's, or all are equal."""
+    top = int((shared == shared.max()).sum())
+    return top == 1 or top == len(shared)
 
 
 class _Reference:
@@ -395,15 +399,17 @@ def _nested_groups(members: np.ndarray, shared: np.ndarray) -> list[PrefixGroup]
         return [PrefixGroup(tuple(sorted(members.tolist())), lo)] if len(members) >= 2 else []
     levels, counts = np.unique(shared, return_counts=True)
     levels, counts = levels[::-1], counts[::-1]  # longest first
+    tops = levels  # per level: the longest shared length in it (a merged level holds several)
     if len(levels) > MAX_LEVELS:  # merge the shortest levels into the last kept one
         counts = np.concatenate((counts[: MAX_LEVELS - 1], [counts[MAX_LEVELS - 1 :].sum()]))
+        tops = levels[:MAX_LEVELS]
         levels = np.concatenate((levels[: MAX_LEVELS - 1], [levels[-1]]))
     k = len(levels)
     # best[j]: the most saved by levels [0, j); cut[j]: where its last group starts.
     best = [0] * (k + 1)
     cut = [0] * (k + 1)
     csum = np.concatenate(([0], np.cumsum(counts))).tolist()
-    lv = levels.tolist()
+    lv, top = levels.tolist(), tops.tolist()
     for j in range(1, k + 1):
         best[j], cut[j] = best[j - 1], j  # level j-1 alone in no group
         for i in range(j):
@@ -420,7 +426,7 @@ def _nested_groups(members: np.ndarray, shared: np.ndarray) -> list[PrefixGroup]
             j -= 1
             continue
         p = lv[j - 1]
-        sel = members[(shared <= lv[i]) & (shared >= p)]
+        sel = members[(shared <= top[i]) & (shared >= p)]  # every row the level counted
         groups.append(PrefixGroup(tuple(sorted(sel.tolist())), p))
         j = i
     return groups
