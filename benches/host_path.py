@@ -18,6 +18,7 @@ the catch-up row times the large model's step over 10 requests x 10 new tokens e
 
     python benches/host_path.py                      # batch 1 32 128 256 x context 2k 8k 32k
     python benches/host_path.py --batches 32 --contexts 2048 8192 --steps 20 --json out.json
+    python benches/host_path.py --batches 32 --contexts 8192 --overlap on --phases  # by phase
 
 Prints a table of medians (and writes JSON with --json). `--overlap on off` (default both):
 with overlap the engine prepares step n+1 while the GPU runs step n, so the host time per step
@@ -170,6 +171,73 @@ def calls_per_step(batch: int, context: int, runner: str, steps: int, overlap: b
     return pstats.Stats(profile).total_calls / steps  # type: ignore[attr-defined]
 
 
+# The phases --phases times: (label, module, qualified name), outermost first. Inclusive times,
+# each call wrapped with two thread_time reads (the wrappers add to what they time: read the
+# shares, not the sums).
+PHASES = (
+    ("schedule_small", "tokencache_routing.core.scheduler", "Scheduler.schedule_small"),
+    ("  _plan", "tokencache_routing.core.scheduler", "Scheduler._plan"),
+    ("  prepare_forward", "tokencache_routing.core.scheduler", "prepare_forward"),
+    ("runner preparation", "tokencache_models.model", "CausalLM.prepare"),
+    ("  prefix tables", "tokencache_models.graphs", "DecodeGraphRunner._prefix_tables"),
+    ("  buffers", "tokencache_models.graphs", "DecodeGraphRunner._load"),
+    ("draw", "tokencache_routing.core.batch", "draw"),
+    ("route", "tokencache_routing.core.batch", "route"),
+    ("finish_small", "tokencache_routing.core.scheduler", "Scheduler.finish_small"),
+    ("  commit", "tokencache_routing.core.batch", "PreparedForward.commit"),
+    ("  read-backs", "tokencache_routing.core.sampling", "Decisions.resolve"),
+    ("  read-backs", "tokencache_routing.core.sampling", "Draw.resolve"),
+    ("intake, aborts, admission", "tokencache_routing.engine", "RoutedEngine.intake"),
+    ("intake, aborts, admission", "tokencache_routing.core.scheduler", "Scheduler.apply_aborts"),
+    ("intake, aborts, admission", "tokencache_routing.core.scheduler", "Scheduler.admit"),
+)
+
+
+def phases_per_step(
+    batch: int, context: int, runner: str, steps: int, overlap: bool
+) -> tuple[float, dict[str, float]]:
+    """Host ms per step and each phase's inclusive ms per step (PHASES), the phases' calls
+    wrapped with this thread's CPU timer: where a step's host time goes, by share."""
+    import functools
+    import importlib
+
+    spent: dict[str, float] = {}
+    undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(label: str, module: str, name: str) -> None:
+        owner: Any = importlib.import_module(module)
+        *path, attr = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        inner = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+        @functools.wraps(inner)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - t0
+
+        undo.append((owner, attr, inner))
+        setattr(owner, attr, timed)
+
+    eng = _decoding(batch, context, runner, steps, overlap)
+    try:
+        for phase in PHASES:
+            wrap(*phase)
+        h0 = eng.stats.small_host_s
+        for _ in range(steps):
+            eng.iterate()
+        host = (eng.stats.small_host_s - h0) / steps
+    finally:
+        for owner, attr, inner in reversed(undo):
+            setattr(owner, attr, inner)
+        eng.shutdown()
+    labels = dict.fromkeys(label for label, _, _ in PHASES)  # in PHASES' order
+    return host * 1e3, {k: spent.get(k, 0.0) / steps * 1e3 for k in labels}
+
+
 def decode_row(batch: int, context: int, runner: str, steps: int, overlap: bool = True) -> Row:
     eng = _decoding(batch, context, runner, steps, overlap)
     st = eng.stats
@@ -261,6 +329,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "--calls", action="store_true",
         help="also count Python calls per decode step (a profiled second pass per shape)",
     )  # fmt: skip
+    ap.add_argument(
+        "--phases", action="store_true",
+        help="also time each phase of a decode step (a wrapped second pass per shape)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     # The host path is one thread; torch's intra-op pool on a shared 2-core machine would
@@ -297,6 +369,15 @@ def _run(args: argparse.Namespace) -> list[Row]:
         if args.calls:
             row.calls_per_step = calls_per_step(b, c, runner, min(args.steps, 20), o)
         rows.append(row)
+    if args.phases:
+        for runner, o, b, c in shapes:
+            host, spent = phases_per_step(b, c, runner, args.steps, o)
+            print(
+                f"phases, {runner} runner, overlap {'on' if o else 'off'}, batch {b}, context "
+                f"{c}: host {host:.3f} ms a step with the wrappers; inclusive ms (share):"
+            )
+            for label, ms in spent.items():
+                print(f"  {label:28s} {ms:.3f} ({100 * ms / host:.0f}%)")
     for runner in args.runner if args.catchup_rounds > 0 else ():
         for c in tqdm(args.contexts, desc=f"catch-ups ({runner})"):
             rows.append(catchup_row(c, runner, args.catchup_rounds, overlap=overlaps[0]))
