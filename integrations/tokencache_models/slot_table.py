@@ -281,6 +281,7 @@ class SlotTable:
         shorter, and nothing but appends since (`version`), the last answer is given again
         when it came from the steady shape (_Carried)."""
         kept = self._carried
+        asked_min_len = min_len
         if (
             kept is not None
             and kept.version == self.version
@@ -320,7 +321,7 @@ class SlotTable:
             groups = sorted(groups[:max_groups], key=lambda g: g.rows[0])
         if steady:
             self._carried = _Carried(
-                rows.copy(), caps.copy(), self.version, min_len, max_groups, groups
+                rows.copy(), caps.copy(), self.version, asked_min_len, max_groups, groups
             )
         return groups
 
@@ -340,7 +341,11 @@ class _Carried:
     length is the least of no group with two rows (a group's P is its lowest level), so the
     split and every group stay as they were; on one level with the others, it rises alone
     above them and they keep the level, the one group's P. The eligible rows stay too
-    (shared lengths only grow, caps are no shorter)."""
+    (shared lengths only grow, caps are no shorter). One case gives less than a fresh look
+    would, never more: a row that holds a new owner's slots (both from the tree) but was
+    not compared past its cap when the owner changed shares more once its cap grows; the
+    kept answer keeps its old, shorter claim until the next version bump. Every claim kept
+    still holds slot for slot: slots below a row's cap change only by a versioned call."""
 
     __slots__ = ("caps", "groups", "max_groups", "min_len", "rows", "version")
 

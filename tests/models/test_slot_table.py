@@ -134,6 +134,9 @@ def test_one_prompt_gives_one_group_and_decoding_compares_nothing_new() -> None:
         t.scatter(rows, np.full(32, 505 + step), 30_000 + 100 * np.arange(32) + step)
         assert t.prefix_groups(rows.copy(), caps + 4 + step) == [g]
     assert t.groups_kept == kept + 3
+    t.prefix_groups(rows, caps + 7, min_len=0)  # asked as given (0, read as 1): kept for it too
+    t.scatter(rows, np.full(32, 508), 40_000 + np.arange(32))
+    assert t.prefix_groups(rows, caps + 8, min_len=0) == [g] and t.groups_kept == kept + 4
     # Asked over shorter caps (not a step of steady decoding), the answer is found afresh.
     (short,) = t.prefix_groups(rows, np.full(32, 300))
     assert short.rows == g.rows and short.length == 300

@@ -87,7 +87,10 @@ def test_only_a_router_whose_answer_is_the_threshold_is_answered_on_the_device(p
     assert side.epilogue(EntropyRouter(2.0)) == Epilogue(eng.vocab_size, True, 2.0)
     assert side.epilogue(Later(2.0)) == Epilogue(eng.vocab_size, True, None)
     assert side.epilogue(None) == Epilogue(eng.vocab_size, False, None)
-    for odd in (float("nan"), torch.tensor(2.0)):  # never a graph key: the host answers
+    import numpy as np
+
+    assert side.epilogue(EntropyRouter(np.float64(2.0))) == Epilogue(eng.vocab_size, True, 2.0)  # type: ignore[arg-type]
+    for odd in (float("nan"), torch.tensor(2.0), True):  # never a graph key: the host answers
         assert side.epilogue(EntropyRouter(odd)) == Epilogue(eng.vocab_size, True, None)  # type: ignore[arg-type]
     prompts = make_prompts(6, seed=3, shared=4, lo=2, hi=5)
     asked: list[int] = []

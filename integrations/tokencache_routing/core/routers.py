@@ -117,7 +117,9 @@ class EntropyRouter(Router):
         # A subclass routing otherwise (its own route) answers itself; so does a threshold
         # that is no plain number (a tensor: no graph key) or NaN (a key equal to no other).
         t = self.threshold
-        if type(self).route is not EntropyRouter.route or type(t) not in (float, int):
+        if type(self).route is not EntropyRouter.route:
+            return None
+        if not isinstance(t, float | int) or isinstance(t, bool):
             return None
         return t if t == t else None
 

@@ -237,8 +237,9 @@ def route(
     position is index - prompt length even for a row continuing a step not finished yet;
     prompt_len / route_key: the requests', when the caller has them as arrays). A router may
     answer with a bool tensor, a numpy array or a list, one entry per request. Where the
-    forward's epilogue computed the router's answer (Router.device_threshold), that is it:
-    nothing is built or launched here."""
+    forward's epilogue computed the answer (Router.device_threshold of the router the forward
+    was prepared with: the caller's, as launch() does), that is it: nothing is built or
+    launched here."""
     n = len(batch)
     if out.escalate is not None:
         return Decisions(out.escalate, n)
