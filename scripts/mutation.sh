@@ -5,8 +5,9 @@
 #
 #   bash scripts/mutation.sh python [MODULE...] [-- PYTEST_ARGS...]
 #       mutmut on integrations/tokencache_routing/core/MODULE.py (default: sampling scheduler
-#       batch; rng too if named), against the routing tests named in TESTS_<module> below
-#       (PYTEST_ARGS are added to pytest's). MUTANTS='glob ...' narrows to mutant names, e.g.
+#       batch; rng and routers too if named), against the routing tests named in
+#       TESTS_<module> below (PYTEST_ARGS are added to pytest's). MUTANTS='glob ...' narrows
+#       to mutant names, e.g.
 #       MUTANTS='tokencache_routing.core.sampling.x__draw*' (mutmut's own naming).
 #   bash scripts/mutation.sh serve [MODULE...] [-- PYTEST_ARGS...]
 #       the same for integrations/tokencache_serve/MODULE.py (default: generation protocol
@@ -41,7 +42,8 @@ PY="$ROOT/.venv/bin/python"
 
 # The tests that exercise each module quickly (the engine-level ones are slower: kept to the
 # files that pin the module's promises).
-TESTS_sampling="tests/routing/test_sampling.py tests/routing/test_sampling_draws.py tests/routing/test_overlap.py tests/routing/test_routers.py tests/routing/test_failures.py"
+TESTS_sampling="tests/routing/test_sampling.py tests/routing/test_sampling_draws.py tests/routing/test_overlap.py tests/routing/test_routers.py tests/routing/test_failures.py tests/routing/test_epilogue_routing.py"
+TESTS_routers="tests/routing/test_routers.py tests/routing/test_epilogue_routing.py"
 TESTS_rng="tests/routing/test_sampling_rng.py tests/routing/test_sampling.py tests/routing/test_routers.py"
 TESTS_scheduler="tests/routing/test_scheduler_mutants.py tests/routing/test_catchup_holdback.py tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
 TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission.py tests/routing/test_slot_rows.py tests/routing/test_exactness.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py tests/routing/test_forward_lifecycle.py tests/routing/test_host_path.py"
