@@ -5,6 +5,7 @@ request alone (every dispatch, both drivers)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -286,6 +287,26 @@ def test_route_hands_the_router_the_steps_features() -> None:
     assert f.logits is out.logits and f.hidden is out.hidden and f.tokens is tokens
     assert f.positions.dtype == torch.int64 and f.positions.tolist() == [0, 4, 0]
     assert f.rids.dtype == torch.int64 and f.rids.tolist() == [40, 41, 42]
+
+
+def test_route_hands_the_router_the_epilogues_entropy() -> None:
+    """The entropy the forward's epilogue computed is the one a router reads: the very
+    tensor, not the same formula again over the logits (a marked value tells them apart)."""
+    seen: list[torch.Tensor] = []
+
+    class Capture(Router):
+        def route(self, f: RouterFeatures) -> Any:
+            seen.append(f.entropy)
+            return [False, False]
+
+    batch = [Request(i, i, np.arange(1, 4), 4, SamplingParams(), frozenset()) for i in range(2)]
+    marked = torch.tensor([9.5, 9.25])  # no entropy of these logits (at most log VOCAB)
+    out = ForwardOutput(torch.randn(2, VOCAB), torch.randn(2, 16), entropy=marked)
+    route(Capture(), out, batch, torch.tensor([5, 6]), np.array([3, 3], np.int64))
+    assert seen[0] is marked
+    out = ForwardOutput(out.logits, out.hidden)  # no epilogue: the features compute it
+    route(Capture(), out, batch, torch.tensor([5, 6]), np.array([3, 3], np.int64))
+    assert seen[1].max() <= math.log(VOCAB) + 1e-4
 
 
 def test_a_readback_waits_for_its_event_once() -> None:
