@@ -37,7 +37,6 @@ import pstats
 import statistics
 import sys
 import time
-import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,9 +49,7 @@ import torch  # noqa: E402
 
 from tokencache_models import (  # noqa: E402
     CausalLM,
-    DecodeGraphRunner,
     ModelConfig,
-    ModelExecutor,
     random_model,
 )
 from tokencache_models.stub import stub_execute  # noqa: E402
@@ -75,24 +72,9 @@ OWN_TOKENS = 16  # each request's own tokens after the shared prompt
 
 
 def stub_device(model: CausalLM, runner: str) -> CausalLM:
-    """The model with its device work replaced by zero logits (host preparation kept)."""
-    stub_execute(model)
-    if runner == "gpu":
-        model.attention_backend_name = "triton"  # its host plan: the shared-prefix tables
-        executor = model.executor
-        executor.decode_padding = True
-        runners: dict[int, DecodeGraphRunner] = {}
-
-        def graph_runner(self: ModelExecutor, pool: Any, backend: Any) -> DecodeGraphRunner:
-            key = id(pool)
-            if key not in runners:
-                runners[key] = DecodeGraphRunner(
-                    model, pool, backend, self.decode_buckets, use_graphs=False
-                )
-            return runners[key]
-
-        executor.graph_runner = types.MethodType(graph_runner, executor)  # type: ignore[method-assign]
-    return model
+    """The model with its device work replaced by zero logits (host preparation kept: the
+    runner's, tokencache_models.stub)."""
+    return stub_execute(model, runner)
 
 
 @dataclass

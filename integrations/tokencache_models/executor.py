@@ -132,6 +132,18 @@ class ModelExecutor:
             runners[backend.name] = runner
         return runner
 
+    def prepare_runner(
+        self, pool: KVPool, attention_backend: str | None = None
+    ) -> DecodeGraphRunner | None:
+        """The decode graph runner of pool (and the model's attention backend, or the one
+        named) made now, as a server makes it at startup, so that the first decode step does
+        not pay for its static buffers; None where decode steps take no runner (graphs off,
+        decode not padded, not on CUDA). Its graphs are still captured on first use of each
+        key (graphs.DecodeGraphRunner.capture_all captures them ahead)."""
+        if not (self.decode_graphs and self.pads_decode()):
+            return None
+        return self.graph_runner(pool, self.model.attention(attention_backend))
+
     def runners(self, pool: KVPool) -> list[DecodeGraphRunner]:
         """The graph runners made over `pool` so far."""
         return list(self._runners.get(pool, {}).values())

@@ -5,21 +5,39 @@ states at once, with the step's epilogue over them (greedy tokens, entropy: devi
 the graph on a GPU); everything before it (the runner's host preparation) runs for real. The
 host-path benchmarks time an engine's step this way, apart from a CPU model's own forward,
 which on this machine would both cost milliseconds and evict the host's caches between steps
-(a GPU's forward does neither to the host). Greedy draws then pick token 0 everywhere."""
+(a GPU's forward does neither to the host). Greedy draws then pick token 0 everywhere.
+
+Whose host preparation: `runner="eager"` keeps the model's own (on this CPU the torch
+backend's eager path: ForwardContext.build each step); `runner="gpu"` prepares what the model
+would on a GPU: the Triton backend's plan and shared-prefix tables, decode steps padded to a
+bucket and loaded into a graph runner's static buffers (graphs.DecodeGraphRunner, without
+capturing: there is nothing to replay)."""
 
 from __future__ import annotations
 
 import types
+import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
 from .context import ForwardOutput
-from .executor import PreparedStep
+from .executor import ModelExecutor, PreparedStep
+from .graphs import DecodeGraphRunner
+from .kv_pool import KVPool
 from .model import CausalLM
 
+if TYPE_CHECKING:
+    from .attention import TorchPagedAttention
 
-def stub_execute(model: CausalLM) -> CausalLM:
-    """The model (changed in place) with execute() returning zeros for its real rows."""
+RUNNERS = ("eager", "gpu")
+
+
+def stub_execute(model: CausalLM, runner: str = "eager") -> CausalLM:
+    """The model (changed in place) with execute() returning zeros for its real rows, its host
+    preparation the `runner`'s (RUNNERS: see the module's docstring)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
 
     def execute(self: CausalLM, step: PreparedStep) -> ForwardOutput:
@@ -29,4 +47,28 @@ def stub_execute(model: CausalLM) -> CausalLM:
         return step.epilogue.apply(out) if step.epilogue is not None else out
 
     model.execute = types.MethodType(execute, model)  # type: ignore[method-assign]
+    if runner == "gpu":
+        _gpu_host_path(model)
     return model
+
+
+def _gpu_host_path(model: CausalLM) -> None:
+    """The model prepares its forwards as on a GPU, on whatever device it is on."""
+    model.attention_backend_name = "triton"  # its host plan: the shared-prefix tables
+    executor = model.executor
+    executor.decode_padding = True
+    # By pool, weakly (as the executor keeps its own): a later engine's pool is not an earlier
+    # one's that happened to get the same id().
+    runners: weakref.WeakKeyDictionary[KVPool, DecodeGraphRunner] = weakref.WeakKeyDictionary()
+
+    def graph_runner(
+        self: ModelExecutor, pool: KVPool, backend: TorchPagedAttention
+    ) -> DecodeGraphRunner:
+        runner = runners.get(pool)
+        if runner is None:
+            runner = runners[pool] = DecodeGraphRunner(
+                model, pool, backend, self.decode_buckets, use_graphs=False
+            )
+        return runner
+
+    executor.graph_runner = types.MethodType(graph_runner, executor)  # type: ignore[method-assign]

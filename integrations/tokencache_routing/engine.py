@@ -206,6 +206,8 @@ class RoutedEngine:
             s.sync_cuda = self.clock == "measured" and s.model.device.type == "cuda"
             if self.clock == "gpu":
                 s.timer = time.thread_time
+            if isinstance(s.model, CausalLM):  # its decode runner now, not in a first step
+                s.model.executor.prepare_runner(s.pool)
         self.sched = Scheduler(
             self.sides,
             config.scheduler or SchedulerConfig(),

@@ -235,8 +235,10 @@ def test_graph_runner_fallbacks_and_switches() -> None:
     # On CPU the executor never makes a graph runner, whatever the switch says.
     executor = model.executor
     assert executor.decode_graphs and executor.graph_runner(pool, model.attention()) is None
+    assert executor.prepare_runner(pool) is None
     pool8 = model.make_kv_pool(8)
     executor.decode_padding = True
+    assert executor.prepare_runner(pool8) is None
     model(five, pool8)
     assert not executor.runners(pool8)
 

@@ -127,20 +127,24 @@ def test_bench_prices_a_tensor_parallel_large_model(
 def test_stub_device_keeps_the_schedule(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """--stub-device times the host path without the CPU models' forwards: the Bernoulli router
     and the EOS-free lengths ignore the logits, so every system runs the same schedule (small
-    steps, catch-ups and their sizes, tokens) as with the real forwards; the report says so.
+    steps, catch-ups and their sizes, tokens) as with the real forwards, whichever runner's host
+    preparation they get (--stub-runner); the report says so.
     Clock-only: refused with the measured clock or threaded rows (their time is wall time)."""
     args = ["--quick", "--profile", "h200-roofline", "--dispatches", "naive", "tokencache"]
-    by: dict[bool, dict[str, dict[str, object]]] = {}
-    for stub in (False, True):
-        out = tmp_path / str(stub)
-        bench.main([*args, "--out", str(out), *(["--stub-device"] if stub else [])])
+    by: dict[str, dict[str, dict[str, object]]] = {}
+    for stub in ("", "gpu", "eager"):  # not stubbed; the GPU's host path (default); this CPU's
+        out = tmp_path / (stub or "real")
+        flags = ["--stub-device", *(["--stub-runner", stub] if stub == "eager" else [])]
+        bench.main([*args, "--out", str(out), *(flags if stub else [])])
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("clock: "))
-        assert ("device work stubbed" in line) is stub
+        assert ("device work stubbed" in line) is bool(stub)
+        assert (f"{stub} runner" in line) is bool(stub)
         rows = json.loads((out / "bench.json").read_text())["rows"]
         by[stub] = {r["system"]: r for r in rows}
     keys = ("requests", "tokens", "small_steps", "catchups", "mean_catchup_batch")
     for system in ("naive", "tokencache", "small alone", "large alone"):
-        assert {k: by[True][system][k] for k in keys} == {k: by[False][system][k] for k in keys}
+        for stub in ("gpu", "eager"):
+            assert {k: by[stub][system][k] for k in keys} == {k: by[""][system][k] for k in keys}
     for bad in (["--clock", "measured"], ["--dispatches", "threaded"]):
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--stub-device", *bad, "--out", str(tmp_path / "x")])

@@ -212,6 +212,43 @@ def test_steady_overlapped_decoding_goes_on_in_place() -> None:
     assert kept > 0
 
 
+def test_the_decode_runners_are_made_with_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose decode steps take a graph runner (on a GPU; here the stub's GPU host
+    path) has it made when the engine is built, as a server makes it at startup: no step
+    pays for its buffers (the first decode step did, ~17 ms of host on this CPU, on the
+    honest clock), and every decode step then goes through it."""
+    import tokencache_models.stub as stub
+    from tokencache_models import random_model
+
+    made: list[stub.DecodeGraphRunner] = []
+
+    class Counted(stub.DecodeGraphRunner):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(stub, "DecodeGraphRunner", Counted)
+    benches = str(Path(__file__).resolve().parents[2] / "benches")
+    if benches not in sys.path:
+        sys.path.insert(0, benches)
+    import host_path
+
+    models = [stub.stub_execute(random_model(host_path.CONFIG, seed=s), "gpu") for s in (1, 2)]
+    eng = RoutedEngine(*models, EntropyRouter(math.inf), num_slots=4096)
+    assert len(made) == 2  # one a model, over its side's pool
+    assert {id(r.pool) for r in made} == {id(eng.small.pool), id(eng.large.pool)}
+    replayed = []
+    run = Counted.prepare
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        replayed.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Counted, "prepare", counting)
+    eng.generate(host_path._prompts(4, 256), 6)
+    assert len(made) == 2 and replayed and all(r is made[0] for r in replayed)
+
+
 def test_the_phase_timer_times_every_phase_and_unwraps_them() -> None:
     """benches/host_path.py --phases: every phase it names runs in a steady decode step and is
     timed; afterwards the engine's functions are the originals again (this test process

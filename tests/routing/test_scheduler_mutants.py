@@ -465,7 +465,9 @@ def test_an_interrupt_while_a_small_step_ends_its_requests_ends_the_rest(
 
     eng.sched._release = release  # type: ignore[method-assign]
     prompts = make_prompts(3, seed=80, lo=5, hi=5)
-    handles = [eng.submit(p, 4, route_key=i) for i, p in enumerate(prompts)]
+    with eng.sched.lock:  # one batch: the driver takes in all three together (threaded: it
+        # starts at the first submit, and stepped that one alone when the machine was busy)
+        handles = [eng.submit(p, 4, route_key=i) for i, p in enumerate(prompts)]
     interrupted = False
     try:
         for h in handles:

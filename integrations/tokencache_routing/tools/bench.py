@@ -45,7 +45,9 @@ The engine clock charges forwards and the engine's measured host time (RoutedEng
 host_charge, default serial: with overlap the GPU waits only for what the pipeline cannot
 hide; --host-charge trees charges the tree calls only, as before issue 20); the report's
 clock line says which. --stub-device times that host path without the CPU models' forwards
-(zero logits, the same schedule): on this CPU each forward also evicts the host's caches.
+(zero logits, the same schedule): on this CPU each forward also evicts the host's caches. Its
+host preparation is the GPU runner's (--stub-runner gpu, the default: what the engine does on
+the GPU the clock prices) or this CPU's eager path (--stub-runner eager).
 """
 
 from __future__ import annotations
@@ -663,6 +665,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "steps, which a GPU's forward does not); the schedule is the same (the Bernoulli router "
         "and EOS-free lengths ignore the logits), the tokens are 0. GPU clock only",
     )
+    ap.add_argument(
+        "--stub-runner",
+        choices=("gpu", "eager"),
+        default="gpu",
+        help="with --stub-device, whose host preparation the forwards get: gpu (default), what "
+        "the engine prepares on the GPU the clock prices (Triton's plan and shared-prefix "
+        "tables, decode steps padded into a graph runner's buffers); eager, this CPU's torch "
+        "path (ForwardContext.build each step)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out/routing", help="folder for bench.json, bench.png")
@@ -823,7 +834,7 @@ def measure(a: argparse.Namespace, out: Path) -> tuple[list[Row], dict[str, Any]
     if a.stub_device:
         from tokencache_models.stub import stub_execute
 
-        models = (stub_execute(models[0]), stub_execute(models[1]))
+        models = (stub_execute(models[0], a.stub_runner), stub_execute(models[1], a.stub_runner))
     jobs: list[tuple[Workload, int, float, str]] = []
     for w in points:
         for c in a.concurrency:
@@ -893,7 +904,9 @@ def report(rows: list[Row], args: dict[str, Any]) -> None:
         else f"{rps} x C requests, max_running C in {cs}"
     )
     k = args["system_prompts"]
-    stub = "; device work stubbed (--stub-device)" if args.get("stub_device") else ""
+    stub = ""
+    if args.get("stub_device"):  # runs before --stub-runner had the eager path only
+        stub = f"; device work stubbed (--stub-device, {args.get('stub_runner', 'eager')} runner)"
     print(
         f"clock: {clock} + bookkeeping measured here ({host_note(rows)}{stub}); threaded rows: "
         f"wall time on this CPU. {n_text}, {'/'.join(map(str, news))} new tokens each, "
