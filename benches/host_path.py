@@ -15,10 +15,14 @@ decode padding to a bucket, the static buffers of the graph runner, no capture);
 the CPU serving path (torch backend). Every request decodes behind one shared prompt (the
 prompt is the context, less 16 tokens of its own), greedy, with a router that never escalates;
 the catch-up row times the large model's step over 10 requests x 10 new tokens each.
+`--escalate 0.1` adds decode rows under a router escalating a tenth of the tokens (catch-ups
+of a quarter of the batch): what serving sees, rows leaving and rejoining the batch, so a
+step seldom goes on in place; every small step is timed (their mean rows in the table).
 
     python benches/host_path.py                      # batch 1 32 128 256 x context 2k 8k 32k
     python benches/host_path.py --batches 32 --contexts 2048 8192 --steps 20 --json out.json
     python benches/host_path.py --batches 32 --contexts 8192 --overlap on --phases  # by phase
+    python benches/host_path.py --batches 32 --contexts 8192 --escalate 0 0.1   # routing, too
 
 Prints a table of medians (and writes JSON with --json). `--overlap on off` (default both):
 with overlap the engine prepares step n+1 while the GPU runs step n, so the host time per step
@@ -53,7 +57,12 @@ from tokencache_models import (  # noqa: E402
     random_model,
 )
 from tokencache_models.stub import stub_execute  # noqa: E402
-from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
+from tokencache_routing import (  # noqa: E402
+    BernoulliRouter,
+    EntropyRouter,
+    RoutedEngine,
+    SchedulerConfig,
+)
 from tokencache_routing.core.routers import ScriptedRouter  # noqa: E402
 from tokencache_routing.sim.clock import GpuClock  # noqa: E402
 
@@ -89,6 +98,10 @@ class Row:
     host_ms_max: float
     device_ms: float  # the GPU clock's price of the same step (Qwen3-0.6B / 8B, h200-roofline)
     gpu_idle_share: float  # idle / (idle + device): what the GPU waits for (Stats.device_idle_s)
+    # --escalate: the share of tokens a Bernoulli router escalates (0: it never does) and then
+    # the mean rows of the small steps timed (every one is: rows leave and rejoin).
+    escalate: float = 0.0
+    mean_rows: float | None = None
     # Python function calls per step (--calls: a second, profiled pass over the same shape):
     # the interpreter's share of the host work, counted, so the same on any machine.
     calls_per_step: float | None = None
@@ -128,22 +141,35 @@ def _prompts(batch: int, context: int) -> list[list[int]]:
     return [shared + o for o in own]
 
 
-def _decoding(batch: int, context: int, runner: str, steps: int, overlap: bool) -> RoutedEngine:
-    """An engine whose batch has prefilled and taken a first decode step."""
+def _decoding(
+    batch: int, context: int, runner: str, steps: int, overlap: bool, escalate: float = 0.0
+) -> RoutedEngine:
+    """An engine whose batch has prefilled and taken a first decode step. escalate > 0: a
+    router escalating that share of tokens (BernoulliRouter), catch-ups of a quarter of the
+    batch: rows leave the small batch and rejoin it, as in serving, where a step seldom
+    goes on in place."""
     new = steps + 8
-    eng = _engine(batch, context, runner, EntropyRouter(math.inf), new, overlap=overlap)
+    if escalate > 0:
+        router: Any = BernoulliRouter(escalate, seed=context + batch)
+        catchup = max(1, batch // 4)
+    else:
+        router, catchup = EntropyRouter(math.inf), 1
+    eng = _engine(batch, context, runner, router, new, catchup, overlap=overlap)
     handles = [eng.submit(p, max_new_tokens=new) for p in _prompts(batch, context)]
     while any(len(h.tokens) < 2 for h in handles):  # prefills and a first decode step
         eng.iterate()
     return eng
 
 
-def calls_per_step(batch: int, context: int, runner: str, steps: int, overlap: bool) -> float:
+def calls_per_step(
+    batch: int, context: int, runner: str, steps: int, overlap: bool, escalate: float = 0.0
+) -> float:
     """Python function calls (cProfile's count, C functions included) per decode step: a
     deterministic measure of the interpreter's work where the CPU time is noisy (a shared
     machine, a VM with busy neighbours). The clock's pricing counts too (it is not host
-    time), the same in any version that prices alike."""
-    eng = _decoding(batch, context, runner, steps, overlap)
+    time), the same in any version that prices alike. With escalations the catch-ups'
+    calls count too."""
+    eng = _decoding(batch, context, runner, steps, overlap, escalate)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
@@ -176,10 +202,12 @@ PHASES = (
 
 
 def phases_per_step(
-    batch: int, context: int, runner: str, steps: int, overlap: bool
+    batch: int, context: int, runner: str, steps: int, overlap: bool, escalate: float = 0.0
 ) -> tuple[float, dict[str, float]]:
     """Host ms per step and each phase's inclusive ms per step (PHASES), the phases' calls
-    wrapped with this thread's CPU timer: where a step's host time goes, by share."""
+    wrapped with this thread's CPU timer: where a step's host time goes, by share. With
+    escalations the phases shared with catch-ups (the runner's preparation, the commit) hold
+    the catch-ups' work too, which the host figure (small steps only) does not."""
     import functools
     import importlib
 
@@ -204,7 +232,7 @@ def phases_per_step(
         undo.append((owner, attr, inner))
         setattr(owner, attr, timed)
 
-    eng = _decoding(batch, context, runner, steps, overlap)
+    eng = _decoding(batch, context, runner, steps, overlap, escalate)
     try:
         for phase in PHASES:
             wrap(*phase)
@@ -220,20 +248,33 @@ def phases_per_step(
     return host * 1e3, {k: spent.get(k, 0.0) / steps * 1e3 for k in labels}
 
 
-def decode_row(batch: int, context: int, runner: str, steps: int, overlap: bool = True) -> Row:
-    eng = _decoding(batch, context, runner, steps, overlap)
+def decode_row(
+    batch: int,
+    context: int,
+    runner: str,
+    steps: int,
+    overlap: bool = True,
+    escalate: float = 0.0,
+) -> Row:
+    """The small steps of `steps` iterations: at full batch (escalate 0), or every one (rows
+    come and go: their mean is recorded). A catch-up's host time is not a small step's."""
+    eng = _decoding(batch, context, runner, steps, overlap, escalate)
     st = eng.stats
-    host, device, idle = [], [], []
+    host, device, idle, rows = [], [], [], []
     for _ in range(steps):
         h0, d0, i0 = st.small_host_s, st.small_device_s, st.device_idle_s
         n0 = len(st.small_batch_sizes)
         eng.iterate()
-        if len(st.small_batch_sizes) == n0 + 1 and st.small_batch_sizes[-1] == batch:
+        if len(st.small_batch_sizes) == n0 + 1 and (escalate or st.small_batch_sizes[-1] == batch):
             host.append(st.small_host_s - h0)
             device.append(st.small_device_s - d0)
             idle.append(st.device_idle_s - i0)
+            rows.append(st.small_batch_sizes[-1])
     eng.shutdown()
-    return _row("decode", runner, overlap, batch, context, host, device, idle)
+    row = _row("decode", runner, overlap, batch, context, host, device, idle)
+    if escalate:
+        row.escalate, row.mean_rows = escalate, statistics.mean(rows)
+    return row
 
 
 def catchup_row(
@@ -304,6 +345,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per shape")
     ap.add_argument("--catchup-rounds", type=int, default=3)
     ap.add_argument(
+        "--escalate", type=float, nargs="+", default=[0.0],
+        help="decode rows with a router escalating this share of tokens (0: never; e.g. 0.1)",
+    )  # fmt: skip
+    ap.add_argument(
         "--overlap", choices=("on", "off"), nargs="+", default=["on", "off"],
         help="the engine's overlapped scheduling (RoutedEngine(overlap=...))",
     )  # fmt: skip
@@ -337,26 +382,31 @@ def _run(args: argparse.Namespace) -> list[Row]:
             return x
 
     overlaps = [o == "on" for o in args.overlap]
+    if any(not 0 <= p < 1 for p in args.escalate):
+        raise SystemExit(f"--escalate takes shares in [0, 1), got {args.escalate}")
     shapes = [
-        (r, o, b, c)
+        (r, o, b, c, p)
         for r in args.runner
         for o in overlaps
+        for p in args.escalate
         for c in args.contexts
         for b in args.batches
     ]
     rows: list[Row] = []
     t0 = time.perf_counter()
-    for runner, o, b, c in tqdm(shapes, desc="decode shapes"):
-        row = decode_row(b, c, runner, args.steps, o)
+    for runner, o, b, c, p in tqdm(shapes, desc="decode shapes"):
+        row = decode_row(b, c, runner, args.steps, o, p)
         if args.calls:
-            row.calls_per_step = calls_per_step(b, c, runner, min(args.steps, 20), o)
+            row.calls_per_step = calls_per_step(b, c, runner, min(args.steps, 20), o, p)
         rows.append(row)
     if args.phases:
-        for runner, o, b, c in shapes:
-            host, spent = phases_per_step(b, c, runner, args.steps, o)
+        for runner, o, b, c, p in shapes:
+            host, spent = phases_per_step(b, c, runner, args.steps, o, p)
+            escalating = f", escalating {p:g} (catch-ups' work in shared phases)" if p else ""
             print(
                 f"phases, {runner} runner, overlap {'on' if o else 'off'}, batch {b}, context "
-                f"{c}: host {host:.3f} ms a step with the wrappers; inclusive ms (share):"
+                f"{c}{escalating}: host {host:.3f} ms a step with the wrappers; inclusive ms "
+                "(share):"
             )
             for label, ms in spent.items():
                 print(f"  {label:28s} {ms:.3f} ({100 * ms / host:.0f}%)")
@@ -373,8 +423,9 @@ def _run(args: argparse.Namespace) -> list[Row]:
         counted = ""
         if args.calls:
             counted = " - |" if r.calls_per_step is None else f" {r.calls_per_step:.0f} |"
+        step = r.kind if not r.escalate else f"{r.kind}, p={r.escalate:g} ({r.mean_rows:.1f} rows)"
         print(
-            f"| {r.kind} | {r.runner} | {'on' if r.overlap else 'off'} | {r.batch} | {r.context} "
+            f"| {step} | {r.runner} | {'on' if r.overlap else 'off'} | {r.batch} | {r.context} "
             f"| {r.host_ms:.3f} | "
             f"{r.host_ms_min:.3f} | {r.host_ms_max:.3f} | {r.device_ms:.3f} | "
             f"{100 * r.gpu_idle_share:.0f}% |{counted}"

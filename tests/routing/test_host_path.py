@@ -271,3 +271,23 @@ def test_the_phase_timer_times_every_phase_and_unwraps_them() -> None:
     assert host > 0 and set(spent) == {label for label, _, _ in host_path.PHASES}
     assert all(ms > 0 for ms in spent.values()), spent
     assert [current(m, n) for _, m, n in host_path.PHASES] == before
+
+
+def test_the_bench_times_escalating_decoding_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """benches/host_path.py --escalate: beside the steady rows, decoding under a router that
+    escalates a share of the tokens: every small step timed while rows leave for catch-ups
+    and rejoin (fewer rows than the batch on average), labelled in the table."""
+    benches = str(Path(__file__).resolve().parents[2] / "benches")
+    if benches not in sys.path:
+        sys.path.insert(0, benches)
+    import host_path
+
+    args = ["--batches", "8", "--contexts", "256", "--overlap", "on", "--steps", "40"]
+    steady, routed = host_path.main([*args, "--catchup-rounds", "0", "--escalate", "0", "0.2"])
+    assert (steady.escalate, steady.mean_rows) == (0.0, None)
+    assert routed.escalate == 0.2 and routed.mean_rows is not None
+    assert 0 < routed.mean_rows < 8  # rows were away at catch-ups
+    assert routed.host_ms > 0 and routed.device_ms > 0
+    assert "| decode, p=0.2 (" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        host_path.main([*args, "--escalate", "1"])
