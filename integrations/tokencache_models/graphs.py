@@ -83,6 +83,16 @@ class StaticStep:
     key: GraphKey  # (rows, width, groups, slot source, epilogue): the graph's key
 
 
+def _contiguous(dest: np.ndarray) -> bool:
+    """dest is a, a + 1, ..., a + len - 1 (ascending, no gap)."""
+    m = len(dest)
+    if m < 2:
+        return m == 1
+    if int(dest[-1]) - int(dest[0]) != m - 1:
+        return False
+    return bool((dest[1:] - dest[:-1] == 1).all())
+
+
 class DecodeGraphRunner:
     def __init__(
         self,
@@ -296,6 +306,12 @@ class DecodeGraphRunner:
                 if view is None:  # one slice per batch size, kept: a step makes no view
                     view = self._token_views[m] = self._tokens[:m]
                 view.copy_(deferred.source)
+            elif _contiguous(deferred.dest):  # a run of rows (the overlapped scheduler's
+                # continuing rows, after the fresh ones): gathered straight into it, one op
+                at = int(deferred.dest[0])
+                torch.index_select(
+                    deferred.source, 0, self._deferred_index[:m], out=self._tokens[at : at + m]
+                )
             else:
                 index, dest = self._deferred_index[:m], self._deferred_dest[:m]
                 self._tokens.index_copy_(0, dest, deferred.gather(index))

@@ -201,6 +201,33 @@ def test_graph_runner_prepare_resolves_deferred_tokens(layout: str) -> None:
 
 
 @pytest.mark.parametrize("layout", ["list", "table"])
+def test_graph_runner_gathers_a_run_of_deferred_rows_in_one_op(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The overlapped scheduler's usual mixed step: fresh rows first, the rows continuing the
+    step before after them, so the deferred tokens' destinations are one run: gathered
+    straight into that run of the token buffer (one op, no scatter); a step whose
+    destinations have a gap scatters as before."""
+    model = _model()
+    pool, source, step = _scenario(model, "decode")
+    first = source.tolist()
+    runner = DecodeGraphRunner(model, pool, model.attention(), (4,), use_graphs=False)
+    scatter = torch.Tensor.index_copy_
+
+    def refused(*args: object) -> None:
+        raise AssertionError("a run of destinations was scattered")
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", refused)
+    run = Step(step.prefix, step.tokens, step.new, {(1, 0): 0, (2, 0): 1})
+    runner.prepare(_host_batch(run, source, "deferred", layout, pool))
+    assert runner._tokens[:3].tolist() == [first[2], first[0], first[1]]
+    monkeypatch.setattr(torch.Tensor, "index_copy_", scatter)
+    gap = Step(step.prefix, step.tokens, step.new, {(0, 0): 1, (2, 0): 0})
+    runner.prepare(_host_batch(gap, source, "deferred", layout, pool))
+    assert runner._tokens[:3].tolist() == [first[1], first[0], first[0]]
+
+
+@pytest.mark.parametrize("layout", ["list", "table"])
 def test_graph_runner_copies_in_place_deferred_tokens(layout: str) -> None:
     """Steady overlapped decoding (every row goes on in its place): the runner copies the
     source into its token buffer as it is, without the index; the outputs equal the host-token

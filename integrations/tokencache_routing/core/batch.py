@@ -292,14 +292,18 @@ class PreparedForward:
             )
             return
         alive = np.asarray(live, dtype=np.bool_)
-        lens = np.diff(self.q_off)
-        take = np.repeat(alive, lens)  # per token: its row is live
-        self.side.free(self.new_slots[~take])
         keep = alive.nonzero()[0]
+        if self.num_tokens == len(alive):  # decode: a token a row (a row escalated, ended)
+            take = alive
+            q_off = _all_rows(len(keep) + 1)[1]  # 0, 1, ..., kept rows (read only)
+        else:
+            lens = np.diff(self.q_off)
+            take = np.repeat(alive, lens)  # per token: its row is live
+            q_off = np.zeros(len(keep) + 1, np.int64)
+            np.cumsum(lens[keep], out=q_off[1:])
+        self.side.free(self.new_slots[~take])
         if not len(keep):
             return
-        q_off = np.zeros(len(keep) + 1, np.int64)
-        np.cumsum(lens[keep], out=q_off[1:])
         handles = [self.handles[i] for i in keep.tolist()]
         handles[0].commit_many(self.side, handles, q_off, self.tokens[take], self.new_slots[take])
 
