@@ -791,7 +791,8 @@ class Scheduler:
             if kept == len(live):
                 st.small_tokens += prep.num_tokens
             else:
-                st.small_tokens += int(np.diff(prep.q_off)[np.asarray(live)].sum())
+                decode = prep.num_tokens == len(live)  # a token a row: the live rows' count
+                st.small_tokens += kept if decode else int(np.diff(prep.q_off)[live].sum())
                 st.dropped_rows += len(live) - kept
             for r in self._partial(prep, live):  # a chunk short of its end: the next is due
                 if r.finished_reason is not None:
