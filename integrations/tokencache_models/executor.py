@@ -139,7 +139,9 @@ class ModelExecutor:
         named) made now, as a server makes it at startup, so that the first decode step does
         not pay for its static buffers; None where decode steps take no runner (graphs off,
         decode not padded, not on CUDA). Its graphs are still captured on first use of each
-        key (graphs.DecodeGraphRunner.capture_all captures them ahead)."""
+        key (graphs.DecodeGraphRunner.capture_all captures them ahead). Its static buffers
+        (a kv_capacity slot list, ~16 MiB, and pinned staging) are held from now on, also
+        for a model that never decodes (the routing engine's large side)."""
         if not (self.decode_graphs and self.pads_decode()):
             return None
         return self.graph_runner(pool, self.model.attention(attention_backend))

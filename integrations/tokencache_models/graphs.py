@@ -308,9 +308,12 @@ class DecodeGraphRunner:
                 view.copy_(deferred.source)
             elif _contiguous(deferred.dest):  # a run of rows (the overlapped scheduler's
                 # continuing rows, after the fresh ones): gathered straight into it, one op
-                at = int(deferred.dest[0])
+                first = int(deferred.dest[0])
                 torch.index_select(
-                    deferred.source, 0, self._deferred_index[:m], out=self._tokens[at : at + m]
+                    deferred.source,
+                    0,
+                    self._deferred_index[:m],
+                    out=self._tokens[first : first + m],
                 )
             else:
                 index, dest = self._deferred_index[:m], self._deferred_dest[:m]

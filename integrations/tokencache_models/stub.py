@@ -57,16 +57,19 @@ def _gpu_host_path(model: CausalLM) -> None:
     model.attention_backend_name = "triton"  # its host plan: the shared-prefix tables
     executor = model.executor
     executor.decode_padding = True
-    # By pool, weakly (as the executor keeps its own): a later engine's pool is not an earlier
-    # one's that happened to get the same id().
-    runners: weakref.WeakKeyDictionary[KVPool, DecodeGraphRunner] = weakref.WeakKeyDictionary()
+    # By pool, weakly, then by backend (as the executor keeps its own): a later engine's pool
+    # is not an earlier one's that happened to get the same id().
+    runners: weakref.WeakKeyDictionary[KVPool, dict[str, DecodeGraphRunner]] = (
+        weakref.WeakKeyDictionary()
+    )
 
     def graph_runner(
         self: ModelExecutor, pool: KVPool, backend: TorchPagedAttention
     ) -> DecodeGraphRunner:
-        runner = runners.get(pool)
+        by_backend = runners.setdefault(pool, {})
+        runner = by_backend.get(backend.name)
         if runner is None:
-            runner = runners[pool] = DecodeGraphRunner(
+            runner = by_backend[backend.name] = DecodeGraphRunner(
                 model, pool, backend, self.decode_buckets, use_graphs=False
             )
         return runner

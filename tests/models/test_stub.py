@@ -53,6 +53,9 @@ def test_the_gpu_host_path_keeps_a_runner_per_pool() -> None:
     runner = executor.prepare_runner(pool)
     assert isinstance(runner, DecodeGraphRunner) and not runner.use_graphs
     assert executor.prepare_runner(pool) is runner
+    torch_runner = executor.prepare_runner(pool, "torch")  # another backend: its own runner
+    assert torch_runner is not None and torch_runner is not runner
+    assert torch_runner.backend.name == "torch" and runner.backend.name == "triton"
     assert model.prepare(_decode(pool, 2), pool).runner is runner
     other = model.make_kv_pool(64)
     assert executor.prepare_runner(other) is not runner

@@ -148,3 +148,5 @@ def test_stub_device_keeps_the_schedule(capsys: pytest.CaptureFixture[str], tmp_
     for bad in (["--clock", "measured"], ["--dispatches", "threaded"]):
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--stub-device", *bad, "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit):  # a host path for stubbed models, without the stub
+        bench.main(["--quick", "--stub-runner", "eager", "--out", str(tmp_path / "x")])

@@ -668,7 +668,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--stub-runner",
         choices=("gpu", "eager"),
-        default="gpu",
+        default=None,
         help="with --stub-device, whose host preparation the forwards get: gpu (default), what "
         "the engine prepares on the GPU the clock prices (Triton's plan and shared-prefix "
         "tables, decode steps padded into a graph runner's buffers); eager, this CPU's torch "
@@ -703,6 +703,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--arrival-rate schedules arrivals on the event loop's clock: no threaded rows")
     if a.stub_device and (a.clock != "gpu" or "threaded" in a.dispatches):
         ap.error("--stub-device needs --clock gpu and no threaded rows (their time is wall time)")
+    if a.stub_runner is not None and not a.stub_device:
+        ap.error("--stub-runner chooses the stubbed models' host path: it needs --stub-device")
+    if a.stub_device and a.stub_runner is None:
+        a.stub_runner = "gpu"
     cost = a.launch == "cost"
     if a.max_wait is None:
         a.max_wait = 0 if cost else 8
