@@ -161,6 +161,8 @@ def engine_row(
             clock="measured",
             overlap=overlap,
         )
+        # Made with the engine (ModelExecutor.prepare_runner), not in a first step: 1 on CUDA.
+        runners_at_start = len(model.executor.runners(eng.small.pool))
         g = torch.Generator().manual_seed(context)
         vocab = model.config.vocab_size
         shared = torch.randint(0, vocab, (context - OWN,), generator=g).tolist()
@@ -243,6 +245,7 @@ def engine_row(
         "dropped_rows": both.dropped_rows,
         # every timed step a full decode batch, nothing escalated: the rows mean what they say
         "clean": bool(sizes) and all(b == batch for b in sizes) and both.escalations == 0,
+        "runners_at_start": runners_at_start,
         "target": overlap,
         "ok": e / r <= TARGET,
     }

@@ -45,6 +45,7 @@ def test_smoke_times_the_engine_beside_the_runner_and_the_host_path() -> None:
         assert row["device_ms"] > 0 and row["clock_ms"] > 0
         assert 0 <= row["device_idle_share"] <= 1 and 0 <= row["async_idle_share"] <= 1
         assert row["steps"] == [3, 3] and row["dropped_rows"] == 0
+        assert row["runners_at_start"] == 0  # CPU: no graph runner (1 on CUDA)
         assert 0 < row["readback_ms"] < row["engine_ms"]  # the router and the tokens' read-back
     # serial: the engine clock charges host + device, and the device waits for all the host
     serial = rows[1]
