@@ -52,7 +52,6 @@ if str(_INTEGRATIONS) not in sys.path:
 import torch  # noqa: E402
 
 from tokencache_models import (  # noqa: E402
-    CausalLM,
     ModelConfig,
     random_model,
 )
@@ -78,12 +77,6 @@ CONFIG = ModelConfig(
     max_position_embeddings=65536,
 )
 OWN_TOKENS = 16  # each request's own tokens after the shared prompt
-
-
-def stub_device(model: CausalLM, runner: str) -> CausalLM:
-    """The model with its device work replaced by zero logits (host preparation kept: the
-    runner's, tokencache_models.stub)."""
-    return stub_execute(model, runner)
 
 
 @dataclass
@@ -116,8 +109,8 @@ def _engine(
     catchup_batch: int = 1,
     overlap: bool = True,
 ) -> RoutedEngine:
-    small = stub_device(random_model(CONFIG, seed=1), runner)
-    large = stub_device(random_model(CONFIG, seed=2), runner)
+    small = stub_execute(random_model(CONFIG, seed=1), runner)
+    large = stub_execute(random_model(CONFIG, seed=2), runner)
     # Room for every request's whole generation: a pool that runs dry evicts and preempts,
     # and the steps timed would then be the full-batch ones before it did.
     slots = context + batch * (OWN_TOKENS + new_tokens + 16) + 1024

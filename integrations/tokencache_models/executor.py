@@ -91,12 +91,15 @@ class ModelExecutor:
     Switches (CUDA only; every rank of a tensor-parallel model must agree on them):
     decode_padding pads decode batches to a bucket (None: on when the model is on CUDA),
     decode_graphs replays CUDA graphs for them, decode_buckets the bucket sizes.
+    decode_runner (None: on CUDA) loads decode steps into a graph runner's static buffers;
+    True off CUDA runs that static path without capturing (the host-path benchmarks' stub).
     """
 
     def __init__(self, model: Network) -> None:
         self.model = model
         self.decode_padding: bool | None = None
         self.decode_graphs = True
+        self.decode_runner: bool | None = None
         self.decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
         # pool -> {backend name: runner}; weak, so a dropped pool frees its runners and graphs.
         self._runners: weakref.WeakKeyDictionary[KVPool, dict[str, DecodeGraphRunner]] = (
@@ -121,9 +124,11 @@ class ModelExecutor:
         return self.model.device.type == "cuda"
 
     def graph_runner(self, pool: KVPool, backend: TorchPagedAttention) -> DecodeGraphRunner | None:
-        """The CUDA-graph decode runner of (pool, backend), made on first use; None when the
-        model is not on CUDA. Decode steps use it while decode_graphs is on."""
-        if self.model.device.type != "cuda":
+        """The CUDA-graph decode runner of (pool, backend), made on first use (capturing only
+        on CUDA); None when the model is not on CUDA and decode_runner is not set. Decode steps
+        use it while decode_graphs is on."""
+        use = self.decode_runner
+        if not (self.model.device.type == "cuda" if use is None else use):
             return None
         runners = self._runners.setdefault(pool, {})
         runner = runners.get(backend.name)

@@ -36,7 +36,9 @@ __all__ = [
 
 # Forward switches that moved to the executor (model.executor): setting one on the model would
 # silently do nothing, so it is refused with a pointer.
-MOVED_TO_EXECUTOR = frozenset({"decode_padding", "decode_graphs", "decode_buckets"})
+MOVED_TO_EXECUTOR = frozenset(
+    {"decode_padding", "decode_graphs", "decode_runner", "decode_buckets"}
+)
 
 
 @dataclass(frozen=True)

@@ -16,19 +16,16 @@ capturing: there is nothing to replay)."""
 from __future__ import annotations
 
 import types
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
 from .context import ForwardOutput
-from .executor import ModelExecutor, PreparedStep
-from .graphs import DecodeGraphRunner
-from .kv_pool import KVPool
+from .executor import PreparedStep
 from .model import CausalLM
 
 if TYPE_CHECKING:
-    from .attention import TorchPagedAttention
+    pass
 
 RUNNERS = ("eager", "gpu")
 
@@ -57,21 +54,4 @@ def _gpu_host_path(model: CausalLM) -> None:
     model.attention_backend_name = "triton"  # its host plan: the shared-prefix tables
     executor = model.executor
     executor.decode_padding = True
-    # By pool, weakly, then by backend (as the executor keeps its own): a later engine's pool
-    # is not an earlier one's that happened to get the same id().
-    runners: weakref.WeakKeyDictionary[KVPool, dict[str, DecodeGraphRunner]] = (
-        weakref.WeakKeyDictionary()
-    )
-
-    def graph_runner(
-        self: ModelExecutor, pool: KVPool, backend: TorchPagedAttention
-    ) -> DecodeGraphRunner:
-        by_backend = runners.setdefault(pool, {})
-        runner = by_backend.get(backend.name)
-        if runner is None:
-            runner = by_backend[backend.name] = DecodeGraphRunner(
-                model, pool, backend, self.decode_buckets, use_graphs=False
-            )
-        return runner
-
-    executor.graph_runner = types.MethodType(graph_runner, executor)  # type: ignore[method-assign]
+    executor.decode_runner = True  # the graph runner's static path, without capture

@@ -18,6 +18,16 @@ from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig
 from tokencache_routing.sim.clock import GpuClock
 
 
+def _host_path() -> Any:
+    """benches/host_path.py, imported from its folder (it is a script, not a package)."""
+    benches = str(Path(__file__).resolve().parents[2] / "benches")
+    if benches not in sys.path:
+        sys.path.insert(0, benches)
+    import host_path
+
+    return host_path
+
+
 def _moved_per_decode_step(pair: Any, prompt_len: int, monkeypatch: pytest.MonkeyPatch) -> int:
     """The most int64 entries one decode step copies to the model's device (4 requests)."""
     moved: list[int] = []
@@ -162,10 +172,7 @@ def test_a_decode_step_makes_few_python_calls_per_row(overlap: bool, per_row: in
     end, 8 before steady decoding went on in place; 11 without, the serial path of the
     threaded driver, 25 before its per-request reads were mapped in C). A per-row helper
     call or generator added to the step shows here."""
-    benches = str(Path(__file__).resolve().parents[2] / "benches")
-    if benches not in sys.path:
-        sys.path.insert(0, benches)
-    import host_path
+    host_path = _host_path()
 
     few = host_path.calls_per_step(8, 512, "gpu", 10, overlap)
     many = host_path.calls_per_step(64, 512, "gpu", 10, overlap)
@@ -178,10 +185,7 @@ def test_steady_overlapped_decoding_goes_on_in_place() -> None:
     the step after a row left (a request that ends first) goes through the per-row
     selection, and the steps after it are in place again. (Exactness with overlap on is the
     other tests'; this one says the steady path is the one taken.)"""
-    benches = str(Path(__file__).resolve().parents[2] / "benches")
-    if benches not in sys.path:
-        sys.path.insert(0, benches)
-    import host_path
+    host_path = _host_path()
 
     eng = host_path._engine(4, 512, "gpu", EntropyRouter(float("inf")), 12)
     prompts = host_path._prompts(4, 512)
@@ -217,21 +221,19 @@ def test_the_decode_runners_are_made_with_the_engine(monkeypatch: pytest.MonkeyP
     path) has it made when the engine is built, as a server makes it at startup: no step
     pays for its buffers (the first decode step did, ~17 ms of host on this CPU, on the
     honest clock), and every decode step then goes through it."""
+    import tokencache_models.executor as executor
     import tokencache_models.stub as stub
     from tokencache_models import random_model
 
-    made: list[stub.DecodeGraphRunner] = []
+    made: list[executor.DecodeGraphRunner] = []
 
-    class Counted(stub.DecodeGraphRunner):
+    class Counted(executor.DecodeGraphRunner):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             made.append(self)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(stub, "DecodeGraphRunner", Counted)
-    benches = str(Path(__file__).resolve().parents[2] / "benches")
-    if benches not in sys.path:
-        sys.path.insert(0, benches)
-    import host_path
+    monkeypatch.setattr(executor, "DecodeGraphRunner", Counted)
+    host_path = _host_path()
 
     models = [stub.stub_execute(random_model(host_path.CONFIG, seed=s), "gpu") for s in (1, 2)]
     eng = RoutedEngine(*models, EntropyRouter(math.inf), num_slots=4096)
@@ -253,12 +255,9 @@ def test_the_phase_timer_times_every_phase_and_unwraps_them() -> None:
     """benches/host_path.py --phases: every phase it names runs in a steady decode step and is
     timed; afterwards the engine's functions are the originals again (this test process
     goes on using them)."""
-    benches = str(Path(__file__).resolve().parents[2] / "benches")
-    if benches not in sys.path:
-        sys.path.insert(0, benches)
     import importlib
 
-    import host_path
+    host_path = _host_path()
 
     def current(module: str, name: str) -> Any:
         owner: Any = importlib.import_module(module)
@@ -277,10 +276,7 @@ def test_the_bench_times_escalating_decoding_too(capsys: pytest.CaptureFixture[s
     """benches/host_path.py --escalate: beside the steady rows, decoding under a router that
     escalates a share of the tokens: every small step timed while rows leave for catch-ups
     and rejoin (fewer rows than the batch on average), labelled in the table."""
-    benches = str(Path(__file__).resolve().parents[2] / "benches")
-    if benches not in sys.path:
-        sys.path.insert(0, benches)
-    import host_path
+    host_path = _host_path()
 
     args = ["--batches", "8", "--contexts", "256", "--overlap", "on", "--steps", "40"]
     steady, routed = host_path.main([*args, "--catchup-rounds", "0", "--escalate", "0", "0.2"])
