@@ -5,7 +5,7 @@
 #
 #   bash scripts/mutation.sh python [MODULE...] [-- PYTEST_ARGS...]
 #       mutmut on integrations/tokencache_routing/core/MODULE.py (default: sampling scheduler
-#       batch; rng and routers too if named), against the routing tests named in
+#       batch; rng, routers and holdback too if named), against the routing tests named in
 #       TESTS_<module> below (PYTEST_ARGS are added to pytest's). MUTANTS='glob ...' narrows
 #       to mutant names, e.g.
 #       MUTANTS='tokencache_routing.core.sampling.x__draw*' (mutmut's own naming).
@@ -46,6 +46,7 @@ TESTS_sampling="tests/routing/test_sampling.py tests/routing/test_sampling_draws
 TESTS_routers="tests/routing/test_routers.py tests/routing/test_epilogue_routing.py"
 TESTS_rng="tests/routing/test_sampling_rng.py tests/routing/test_sampling.py tests/routing/test_routers.py"
 TESTS_scheduler="tests/routing/test_scheduler_mutants.py tests/routing/test_catchup_holdback.py tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
+TESTS_holdback="tests/routing/test_overlaps_prefill.py tests/routing/test_catchup_holdback.py tests/routing/test_admission.py"
 TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission.py tests/routing/test_slot_rows.py tests/routing/test_exactness.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py tests/routing/test_forward_lifecycle.py tests/routing/test_host_path.py"
 
 # The server's modules: the files that pin each module's promises (the server runs in a thread

@@ -11,7 +11,7 @@ import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, ScriptedRouter
-from tokencache_routing.core.batch import take_catchup_batch
+from tokencache_routing.core.holdback import take_catchup_batch
 from tokencache_routing.core.scheduler import SchedulerConfig
 from tokencache_routing.core.state import GREEDY, Request
 
@@ -102,6 +102,7 @@ def test_holdback_under_memory_pressure(pair: Any, mode: str) -> None:
 class _Handle:
     def __init__(self) -> None:
         self.attached = False
+        self.length = 0  # committed tokens (once attached)
 
 
 def _request(i: int, prompt: list[int]) -> Request:

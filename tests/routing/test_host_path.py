@@ -92,8 +92,8 @@ def test_host_time_is_charged_as_host_charge_says(pair: Any) -> None:
         device = st.small_device_s
         # Each run against its own measured times (two runs' host times differ under load).
         serial_charge = device + st.small_host_s
-        if charge == "serial":
-            assert st.modeled_s >= serial_charge
+        if charge == "serial":  # equal sums in another order: a last bit apart (seen: 1 ulp)
+            assert st.modeled_s >= serial_charge * (1 - 1e-12)
         if charge == "trees":
             assert st.modeled_s < serial_charge
         if charge == "overlap":

@@ -1,6 +1,8 @@
-"""overlaps_prefill against the definition: r is held when, for some q not committed that far,
+"""The hold-back against its definition: r is held when, for some q not committed that far,
 their longest common prefix (of the tokens attach would match) reaches a page, passes what q
-has committed, and reaches a page past what the tree holds of r."""
+has committed, and reaches a page past what the tree holds of r. overlaps_prefill asks it once;
+PrefillIndex of a growing set of members (admission, a catch-up batch); take_catchup_batch
+splits parked requests with it."""
 
 from __future__ import annotations
 
@@ -11,12 +13,17 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tokencache_routing.core.batch import not_prefilled, overlaps_prefill
+from tokencache_routing.core.holdback import (
+    PrefillIndex,
+    not_prefilled,
+    overlaps_prefill,
+    take_catchup_batch,
+)
 
 
-def _request(seq: list[int], done: int | None) -> Any:
+def _request(seq: list[int], done: int | None, **fields: Any) -> Any:
     kv = SimpleNamespace(length=done or 0, attached=done is not None)
-    return SimpleNamespace(seq=np.array(seq, np.int64), n=len(seq), kv=[kv])
+    return SimpleNamespace(seq=np.array(seq, np.int64), n=len(seq), kv=[kv], **fields)
 
 
 def _held(r: Any, running: list[Any], page: int, known: int) -> bool:
@@ -77,3 +84,98 @@ def test_not_prefilled_is_kv_short_of_the_last_token() -> None:
     assert not not_prefilled(_request(seq, 4), 0)  # committed up to its last token
     assert not_prefilled(_request(seq, 3), 0)  # a chunk of its prompt still to run
     assert not_prefilled(_request(seq, None), 0)  # not attached: all of it
+
+
+# A member: its tokens after a common prefix, what it committed (None: not attached), and
+# whether it is asked about (then added) or only added; each asker's cached length.
+_steps = st.lists(
+    st.tuples(_seqs, st.one_of(st.none(), st.integers(0, 24)), st.booleans(), st.integers(0, 20)),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+# q committed exactly the N = known + page tokens r needs to share: it needs one more.
+@example(steps=[([0, 0, 2, 0], 2, False, 0), ([0, 0, 1, 0], None, True, 1)], page=1, prefix=[])
+# q committed all that r's attach would match: nothing left to share.
+@example(steps=[([0, 0, 0, 0, 0], 2, False, 0), ([0, 0, 0], None, True, 0)], page=1, prefix=[])
+@given(steps=_steps, page=st.integers(1, 6), prefix=st.lists(st.integers(0, 2), max_size=12))
+def test_the_index_answers_as_the_definition_while_it_grows(
+    steps: list[tuple[list[int], int | None, bool, int]], page: int, prefix: list[int]
+) -> None:
+    """Interleaved asks and adds, the askers' cached lengths differing (the index keeps a
+    window table per length asked, and files later members in each): every answer is the
+    brute-force definition's over the members so far."""
+    index = PrefillIndex(0, page)
+    members: list[Any] = []
+    for seq, done, ask, known in steps:
+        q = _request(prefix + seq, done)
+        if ask:
+            cached_len = min(known, q.n - 1)
+            want = _held(q, members, page, cached_len)
+            assert index.holds(q, lambda _x, k=cached_len: k) is want
+        index.add(q)
+        members.append(q)
+    assert len(index) == sum(not_prefilled(q, 0) for q in members)  # the prefilled not kept
+
+
+def _split(parked: list[Any], cap: int, page: int, known: int) -> tuple[list, list, list]:
+    """take_catchup_batch by its definition: each request against the batch so far."""
+    batch: list[Any] = []
+    rest: list[Any] = []
+    held: list[Any] = []
+    for r in parked:
+        if len(batch) >= cap:
+            rest.append(r)
+            continue
+        chunked = any(q.partial_prefill for q in batch)
+        cached_len = min(known, r.n - 1)
+        if (
+            r.kv[0].attached
+            or (r.held_catchup and not chunked)
+            or not _held(r, batch, page, cached_len)
+        ):
+            r.held_catchup = False
+            batch.append(r)
+        else:
+            r.held_catchup = True
+            rest.append(r)
+            held.append(r)
+    return batch, rest, held
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parked=st.lists(
+        st.tuples(_seqs, st.one_of(st.none(), st.integers(0, 24)), st.booleans(), st.booleans()),
+        max_size=10,
+    ),
+    cap=st.integers(1, 10),
+    page=st.integers(1, 4),
+    known=st.integers(0, 12),
+    prefix=st.lists(st.integers(0, 2), max_size=12),
+)
+def test_a_catchup_batch_is_split_as_defined(
+    parked: list[tuple[list[int], int | None, bool, bool]],
+    cap: int,
+    page: int,
+    known: int,
+    prefix: list[int],
+) -> None:
+    """take_catchup_batch against the definition, request by request against the batch so
+    far: the batch, the rest and the held in order, and each request's held mark."""
+
+    def requests() -> list[Any]:
+        return [
+            _request(prefix + seq, done, held_catchup=was_held, partial_prefill=chunked)
+            for seq, done, was_held, chunked in parked
+        ]
+
+    got, want = requests(), requests()
+    split = take_catchup_batch(got, cap, 0, page, lambda r: min(known, r.n - 1))
+    expected = _split(want, cap, page, known)
+    index_of = {id(r): i for i, r in enumerate(got)} | {id(r): i for i, r in enumerate(want)}
+    assert [[index_of[id(r)] for r in part] for part in split] == [
+        [index_of[id(r)] for r in part] for part in expected
+    ]
+    assert [r.held_catchup for r in got] == [r.held_catchup for r in want]

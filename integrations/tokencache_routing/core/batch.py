@@ -1,10 +1,11 @@
-"""Batch selection helpers and the batched forward over a model side (used by the scheduler)."""
+"""A model side's batched forward (used by the scheduler): attach, chunking, preparation,
+launch and commit. Who goes in a batch and who is held back: holdback.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -26,90 +27,6 @@ _MAX_NEW = attrgetter("max_new_tokens")
 _ROUTE_KEY = attrgetter("route_key")
 _GREEDY = attrgetter("sampling.greedy")
 _ROW = attrgetter("row")  # a handle's slot-table row
-
-
-def committed(q: Request, kind: int) -> int:
-    """How many of q's tokens have their KV committed in this model: its handle's length once
-    attached (chunked prefill: maybe part of its prompt; overlap: not what its step in flight
-    computes), else none."""
-    h = q.kv[kind] if q.kv else None
-    return h.length if h is not None and h.attached else 0
-
-
-def not_prefilled(q: Request, kind: int) -> bool:
-    """Whether q's KV in this model is not committed up to its last token yet: its prefill
-    (or a chunk of it) is still to run, or runs now. overlaps_prefill skips every other."""
-    return committed(q, kind) < q.n - 1
-
-
-def overlaps_prefill(
-    r: Request,
-    running: Sequence[Request],
-    kind: int,
-    page_size: int,
-    cached: Callable[[Request], int] | None = None,
-) -> bool:
-    """True when r shares at least a page of prefix that is not cached yet with a request
-    whose prefill in this model has not run yet (or, chunked, not that far yet), or runs now
-    (overlap: launched, not committed): admitted together, both would prefill it (the
-    duplicate freed afterwards), so r waits and then matches the first one's KV in the tree
-    instead. cached(r): how much of r the tree already holds (asked once at most, for the
-    first q not committed as far as the two could share)."""
-    known = -1
-    for q in running:
-        m = min(r.n, q.n) - 1  # attach matches seq[:-1]
-        done = committed(q, kind)
-        if m < page_size or done >= m:
-            continue
-        if known < 0:
-            known = cached(r) if cached is not None else 0
-        # Held when their common prefix reaches a page past what is cached and passes what
-        # q has committed: when their first `need` tokens agree. The last page of those is
-        # compared first: requests on one cached prompt part right after it, so most pairs
-        # are told apart in O(page), not O(context).
-        need = max(known + page_size, done + 1)  # known >= 0: a page at least
-        if need > m:
-            continue
-        lo = need - page_size
-        if r.seq[lo:need].tobytes() == q.seq[lo:need].tobytes() and np.array_equal(
-            r.seq[:lo], q.seq[:lo]
-        ):
-            return True
-    return False
-
-
-def take_catchup_batch(
-    parked: Sequence[Request],
-    cap: int,
-    kind: int,
-    page_size: int,
-    cached: Callable[[Request], int] | None = None,
-) -> tuple[list[Request], list[Request], list[Request]]:
-    """Splits parked requests into (catch-up batch, left parked, held back). A request
-    making its first forward in this model (handle not attached) that shares at least a page of
-    uncached prefix with another one being attached in this batch is held for the next batch,
-    where it matches the first one's KV in the tree instead of prefilling the prefix again. A
-    request held once is not held again (no starvation), unless behind a catch-up split in
-    chunks (partial_prefill) that has not passed the shared prefix yet: that one is first in
-    line and advances every catch-up; parked order is kept."""
-    batch: list[Request] = []
-    rest: list[Request] = []
-    held: list[Request] = []
-    for r in parked:
-        if len(batch) >= cap:
-            rest.append(r)
-        elif (
-            r.kv[kind].attached
-            or (r.held_catchup and not any(q.partial_prefill for q in batch))
-            or not overlaps_prefill(r, batch, kind, page_size, cached)
-        ):
-            r.held_catchup = False
-            batch.append(r)
-        else:
-            r.held_catchup = True
-            rest.append(r)
-            held.append(r)
-    return batch, rest, held
 
 
 def attach_all(batch: Sequence[Request], kind: int) -> None:

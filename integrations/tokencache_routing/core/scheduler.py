@@ -29,11 +29,9 @@ from .batch import (
     RowPlan,
     attach_all,
     chunk_ends,
-    not_prefilled,
-    overlaps_prefill,
     prepare_forward,
-    take_catchup_batch,
 )
+from .holdback import PrefillIndex, take_catchup_batch
 from .kv import KVHandle, ModelSide
 from .routers import Router
 from .sampling import draw, route
@@ -481,19 +479,17 @@ class Scheduler:
             return  # the first in line has not arrived yet on this clock
         small_page = self.sides[SMALL].page_size
         held: list[Request] = []
-        # Requests whose prefill in the small model has not run to its end: the only ones
-        # overlaps_prefill can find (it skips one committed up to a request's last token), so
-        # a burst of held-back arrivals is checked against a few, not against everyone
-        # running. Admitted ones join it (not prefilled yet).
-        prefilling = [q for q in self.running + self.busy if not_prefilled(q, SMALL)]
+        # Requests whose prefill in the small model has not run to its end (the only ones
+        # that can hold anyone back: the index keeps no other), indexed so a burst of
+        # arrivals costs a lookup each. Admitted ones join it (not prefilled yet).
+        prefilling = PrefillIndex(SMALL, small_page, self.running + self.busy)
+        cached = self._cached_len(SMALL)
         while self.waiting and self.num_active() < cfg.max_admitted:
             r = self.waiting.popleft()
             if not_after is not None and r.submitted_at > not_after:
                 self.waiting.appendleft(r)
                 break
-            if self.holdback and overlaps_prefill(
-                r, prefilling, SMALL, small_page, self._cached_len(SMALL)
-            ):
+            if self.holdback and prefilling.holds(r, cached):
                 self.stats.held_back += 1
                 held.append(r)
                 continue
@@ -503,7 +499,7 @@ class Scheduler:
                 self.admitted += 1
             r.last_small_step = self.stats.steps
             self.running.append(r)
-            prefilling.append(r)
+            prefilling.add(r)
         self.waiting.extendleft(reversed(held))  # first in line at the next admission
 
     def _cached_len(self, kind: int) -> Callable[[Request], int]:
