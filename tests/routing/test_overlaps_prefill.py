@@ -99,6 +99,12 @@ _steps = st.lists(
 @example(steps=[([0, 0, 2, 0], 2, False, 0), ([0, 0, 1, 0], None, True, 1)], page=1, prefix=[])
 # q committed all that r's attach would match: nothing left to share.
 @example(steps=[([0, 0, 0, 0, 0], 2, False, 0), ([0, 0, 0], None, True, 0)], page=1, prefix=[])
+# Two members committed past N = known + page, the second one holding r: both are asked.
+@example(
+    steps=[([1] * 7, 2, False, 0), ([0] * 7, 3, False, 0), ([0] * 6, None, True, 0)],
+    page=1,
+    prefix=[],
+)
 @given(steps=_steps, page=st.integers(1, 6), prefix=st.lists(st.integers(0, 2), max_size=12))
 def test_the_index_answers_as_the_definition_while_it_grows(
     steps: list[tuple[list[int], int | None, bool, int]], page: int, prefix: list[int]
