@@ -208,6 +208,8 @@ class RadixTree:
     @property
     def root(self) -> Node: ...
     def match_prefix(self, tokens: ArrayLike, namespace: str | None = None) -> MatchResult: ...
+    def cached_prefix_len(self, tokens: ArrayLike, namespace: str | None = None) -> int:
+        """match_prefix's length, read only: no split, no access time, no slots copied."""
     def insert(
         self,
         tokens: ArrayLike,

@@ -88,6 +88,8 @@ BAD_CALLS = [
     (tc.ShapeError, lambda t: t.insert(np.zeros((2, 2), dtype=np.int64), [0, 1])),
     (tc.ShapeError, lambda t: t.insert(np.array([1.0, 2.0]), [0, 1])),
     (tc.ShapeError, lambda t: t.match_prefix("abc")),
+    (tc.InvalidTokenError, lambda t: t.cached_prefix_len([1, -1])),
+    (tc.ShapeError, lambda t: t.cached_prefix_len(np.zeros((2, 2), dtype=np.int64))),
     (tc.InvalidArgumentError, lambda t: t.insert([1], [-5])),
     (tc.InvalidArgumentError, lambda t: t.evict(-1)),
     (tc.ForeignHandleError, lambda t: t.lock(tc.RadixTree().root)),

@@ -95,6 +95,9 @@ class TreeMachine(RuleBasedStateMachine):
     @rule(target=handles, ns=NAMESPACES, tokens=TOKENS)
     def match(self, ns: str | None, tokens: list[int]) -> tuple[tc.Node, Prefix]:
         expect = self.matched(ns, tokens)
+        before = self.tree.pretty_print()  # the question first: the same length, read only
+        assert self.tree.cached_prefix_len(tokens, ns) == len(expect)
+        assert self.tree.pretty_print() == before
         m = self.tree.match_prefix(tokens, ns)
         assert m.length == len(expect) and m.slots.tolist() == expect
         return m.node, (ns, tuple(tokens[: m.length]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -150,3 +151,28 @@ def test_stub_device_keeps_the_schedule(capsys: pytest.CaptureFixture[str], tmp_
             bench.main(["--quick", "--stub-device", *bad, "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit):  # a host path for stubbed models, without the stub
         bench.main(["--quick", "--stub-runner", "eager", "--out", str(tmp_path / "x")])
+
+
+def test_serving_phases_times_each_phase_and_puts_it_back(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """benches/serving_phases.py: the serving benchmark with the scheduler's phases timed, a
+    row each (catch-ups included), and the scheduler as it was afterwards."""
+    benches = str(Path(__file__).resolve().parents[2] / "benches")
+    if benches not in sys.path:
+        sys.path.insert(0, benches)
+    import serving_phases
+
+    from tokencache_routing.core import scheduler
+
+    before = [getattr(owner, name) for _, owner, name in serving_phases.PHASES]
+    args = ["--quick", "--profile", "h200-roofline", "--dispatches", "tokencache"]
+    spent = serving_phases.main([*args, "--stub-device", "--out", str(tmp_path)])
+    assert [getattr(owner, name) for _, owner, name in serving_phases.PHASES] == before
+    assert scheduler.Scheduler.schedule_large is before[3]
+    for label, _, _ in serving_phases.PHASES:
+        calls, seconds = spent[label]
+        assert calls >= 1 and seconds >= 0, label
+    assert spent["schedule_large"][0] == spent["  take_catchup_batch"][0]
+    out = capsys.readouterr().out
+    assert "| phase | calls | ms in all | ms a call |" in out

@@ -125,9 +125,11 @@ class ModelSide:
         return len(slots)
 
     def cached_prefix_len(self, tokens: np.ndarray) -> int:
-        """How many leading tokens this side's prefix cache holds (a match, timed as one)."""
+        """How many leading tokens this side's prefix cache holds (timed as a match). Read
+        only: asking (the hold-back asks it of every first forward) neither splits a node nor
+        counts as a use for eviction, and copies no slots out."""
         with self.bookkeeping("match"):
-            return int(self.tree.match_prefix(tokens).length)
+            return self.tree.cached_prefix_len(tokens)
 
     def cached_size(self) -> int:
         return int(self.tree.total_size())

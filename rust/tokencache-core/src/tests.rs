@@ -114,6 +114,26 @@ fn lru_order() {
 }
 
 #[test]
+fn cached_prefix_len_is_a_question_not_a_use() {
+    // match_prefix's length, but the LRU order, the nodes and the hits stay as they were.
+    let t = tree(2);
+    t.insert(&[1, 2, 3, 4], &[1, 2, 3, 4], None, 0).unwrap();
+    t.insert(&[5, 6], &[5, 6], None, 0).unwrap();
+    let nodes = t.node_count();
+    assert_eq!(t.cached_prefix_len(&[1, 2, 9, 9], None), 2); // ends inside a node: no split
+    assert_eq!(t.cached_prefix_len(&[1, 2, 3, 4, 7], None), 4); // a tail under a page
+    assert_eq!(t.cached_prefix_len(&[1, 2, 3], None), 2);
+    assert_eq!(t.cached_prefix_len(&[1, 2, 3, 4], Some("other")), 0); // never written
+    assert_eq!(t.node_count(), nodes);
+    assert_eq!(t.match_prefix(&[1, 2, 9, 9], None).length, 2); // the same, with a split
+    assert_eq!(t.node_count(), nodes + 1);
+    // [5, 6] was asked about after [1, 2, 3, 4] was matched: still the older use.
+    t.cached_prefix_len(&[5, 6], None);
+    assert_eq!(t.evict(2), vec![5, 6]);
+    ok(&t);
+}
+
+#[test]
 fn cursor_extend_follows_shared_path_and_reports_duplicates() {
     let t = tree(1);
     let mut a = t.cursor(None);

@@ -82,6 +82,17 @@ impl RadixTree {
         }
     }
 
+    /// How many leading tokens of `tokens` the tree holds (page aligned): `match_prefix`'s
+    /// length, asked as a question. Read only: no node split, no access time or hit counted
+    /// (a question is not a use), no slots copied out.
+    pub fn cached_prefix_len(&self, tokens: &[u32], namespace: Option<&str>) -> usize {
+        let inner = self.shared.lock();
+        match inner.roots.get(&namespace.map(str::to_owned)) {
+            Some(&root) => inner.walk(root, tokens, &mut |_, _| {}),
+            None => 0, // a namespace never written holds nothing
+        }
+    }
+
     /// Cache `tokens` -> `slots` (a tail shorter than a page is ignored).
     ///
     /// `inserted_len` (at most `tokens.len()`) is how much of `tokens` this caller inserted

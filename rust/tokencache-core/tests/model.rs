@@ -305,6 +305,13 @@ impl Harness {
             }
             Op::Match(ns, t) => {
                 let (len, slots) = self.reference.matched(*ns, t);
+                // The question first: the same length, and the tree unchanged by it.
+                let nodes = self.tree.node_count();
+                let asked = self.tree.cached_prefix_len(t, NAMESPACES[*ns]);
+                ensure(
+                    asked == len && self.tree.node_count() == nodes,
+                    format!("cached_prefix_len {asked} != {len}, or it changed the tree"),
+                )?;
                 let m = self.tree.match_prefix(t, NAMESPACES[*ns]);
                 ensure(
                     m.length == len && m.slots == slots,

@@ -352,6 +352,18 @@ impl PyRadixTree {
         })
     }
 
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn cached_prefix_len(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<String>,
+    ) -> PyResult<usize> {
+        let t = convert::tokens(tokens)?;
+        let tree = &self.inner;
+        Ok(py.allow_threads(|| tree.cached_prefix_len(&t, namespace.as_deref())))
+    }
+
     #[pyo3(signature = (tokens, slots, namespace=None, inserted_len=0))]
     fn insert(
         &self,
