@@ -1,4 +1,5 @@
-"""Thread time per call of the scheduler's phases inside the serving benchmark.
+"""Thread time per call of the scheduler's phases inside the serving benchmark, and what the
+device waited for.
 
     python benches/serving_phases.py [tokencache_routing.bench arguments]
 
@@ -6,6 +7,8 @@ Runs `python -m tokencache_routing.bench` with its arguments (default: the share
 workload at 8192, p = 0.1, tokencache only, stubbed device work) and each phase in PHASES
 wrapped in two `time.thread_time()` reads, then prints calls, total and mean ms per phase.
 Inclusive times; the wrappers add to what they time (read ratios between runs, not sums).
+Then the engine clock's device idle (overlapped event loop, one device), by the launch it
+waited for: a catch-up, the small step right after one, or any other small step.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
 
 from tokencache_routing.core import scheduler
+from tokencache_routing.core.state import LARGE
+from tokencache_routing.drivers import events
 
 DEFAULT = [
     *("--profile", "h200-roofline", "--contexts", "8192", "--rates", "0.1"),
@@ -36,6 +41,13 @@ PHASES = (
     ("schedule_large", scheduler.Scheduler, "schedule_large"),
     ("  take_catchup_batch", scheduler, "take_catchup_batch"),
     ("finish_large", scheduler.Scheduler, "finish_large"),
+)
+
+# The device's idle on the engine clock, by the launch it waited for (timed_phases' spent).
+IDLE = (
+    "idle before a catch-up",
+    "idle before the step after a catch-up",
+    "idle before other steps",
 )
 
 
@@ -57,9 +69,26 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
                 entry[1] += time.thread_time() - t0
 
         setattr(owner, name, timed)
+    start_on_device = events.EventLoop._start_on_device
+    after_catchup = False
+
+    def waited(loop: events.EventLoop, launched: events.Launched, host_cost: float) -> None:
+        """The device's wait for this launch, as _start_on_device reckons it, by cause."""
+        nonlocal after_catchup
+        wait = max(loop.dev_free, loop.t_small + host_cost) - loop.dev_free
+        if launched.kind == LARGE:
+            cause, after_catchup = IDLE[0], True
+        else:
+            cause, after_catchup = IDLE[1] if after_catchup else IDLE[2], False
+        spent[cause][0] += 1
+        spent[cause][1] += wait
+        start_on_device(loop, launched, host_cost)
+
+    events.EventLoop._start_on_device = waited  # type: ignore[method-assign]
     try:
         yield spent
     finally:
+        events.EventLoop._start_on_device = start_on_device  # type: ignore[method-assign]
         for owner, name, f in originals:
             setattr(owner, name, f)
 
@@ -74,6 +103,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         calls, s = spent[label]
         mean = f"{s / calls * 1e3:.3f}" if calls else "-"
         print(f"| {label} | {int(calls)} | {s * 1e3:.2f} | {mean} |")
+    print("\n| device waited | launches | ms in all |\n|---|---:|---:|")
+    for cause in IDLE:
+        launches, s = spent[cause]
+        print(f"| {cause} | {int(launches)} | {s * 1e3:.2f} |")
     return dict(spent)
 
 

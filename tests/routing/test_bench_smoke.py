@@ -157,15 +157,18 @@ def test_serving_phases_times_each_phase_and_puts_it_back(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """benches/serving_phases.py: the serving benchmark with the scheduler's phases timed, a
-    row each (catch-ups included), and the scheduler as it was afterwards."""
+    row each (catch-ups included), the device's waits by the launch they were for, and the
+    scheduler and event loop as they were afterwards."""
     benches = str(Path(__file__).resolve().parents[2] / "benches")
     if benches not in sys.path:
         sys.path.insert(0, benches)
     import serving_phases
 
     from tokencache_routing.core import scheduler
+    from tokencache_routing.drivers import events
 
     before = [getattr(owner, name) for _, owner, name in serving_phases.PHASES]
+    start_on_device = events.EventLoop._start_on_device
     args = ["--quick", "--profile", "h200-roofline", "--dispatches", "tokencache"]
     spent = serving_phases.main([*args, "--stub-device", "--out", str(tmp_path)])
     assert [getattr(owner, name) for _, owner, name in serving_phases.PHASES] == before
@@ -174,5 +177,11 @@ def test_serving_phases_times_each_phase_and_puts_it_back(
         calls, seconds = spent[label]
         assert calls >= 1 and seconds >= 0, label
     assert spent["schedule_large"][0] == spent["  take_catchup_batch"][0]
+    assert events.EventLoop._start_on_device is start_on_device
+    before_catchup, after_catchup, other = (spent[c] for c in serving_phases.IDLE)
+    assert before_catchup[0] == spent["schedule_large"][0]  # every catch-up launched
+    assert 1 <= after_catchup[0] <= before_catchup[0] and other[0] >= 1
+    assert min(before_catchup[1], after_catchup[1], other[1]) >= 0
     out = capsys.readouterr().out
     assert "| phase | calls | ms in all | ms a call |" in out
+    assert "| device waited | launches | ms in all |" in out
