@@ -1,9 +1,12 @@
 """The shared-prefix hold-back of a catch-up batch: PrefillIndex against the pairwise scan it
 replaced (every first forward against every request taken before it).
 
-B requests make their first forward in the large model, on one 8k system prompt the tree holds
-and their own distinct tokens after it (nobody is held: the common case, where the scan pays
-for every pair). The tree's answer is a constant here (its match costs the same either way).
+B requests make their first forward in the large model, on one 8k system prompt and their own
+distinct tokens after it (nobody is held: the common case, where the scan pays for every pair).
+The tree holds the prompt ("one": every request asks the same N) or, for each request, a
+length of its own ("each": every request asks its own N, as with multi-turn histories cached
+to different depths: the index then scans as the pairwise code did). The tree's answer is
+looked up here (its match costs the same either way).
 Run with `pytest benches/test_holdback.py --benchmark-enable`; with --benchmark-disable every
 benchmark runs once as a smoke test.
 """
@@ -20,14 +23,14 @@ import pytest
 from tokencache_routing.core.holdback import committed, take_catchup_batch
 
 PROMPT = 8128
-OWN = 32
+OWN = 300  # room for 256 requests' own cached lengths (below)
 PAGE = 1
 
 
 def _parked(batch: int) -> list[Any]:
     rng = np.random.default_rng(batch)
     prompt = rng.integers(0, 32_000, PROMPT)
-    own = rng.permutation(32_000)[: batch * OWN].reshape(batch, OWN)  # distinct first tokens
+    own = rng.permutation(10**6)[: batch * OWN].reshape(batch, OWN)  # no two tokens alike
     return [
         SimpleNamespace(
             seq=np.concatenate((prompt, o)),
@@ -40,8 +43,13 @@ def _parked(batch: int) -> list[Any]:
     ]
 
 
-def _cached(r: Any) -> int:
-    return PROMPT
+def _cached(parked: list[Any], kind: str) -> Callable[[Any], int]:
+    """The tree's answer for each request: the prompt, or the prompt and i of its own tokens
+    (request i: its history cached up to there; each asks its own N)."""
+    if kind == "one":
+        return lambda r: PROMPT
+    own = {id(r): PROMPT + i for i, r in enumerate(parked)}
+    return lambda r: own[id(r)]
 
 
 def _pairwise(
@@ -73,15 +81,19 @@ def _pairwise(
     return batch
 
 
+@pytest.mark.parametrize("cached", ["one", "each"])
 @pytest.mark.parametrize("batch", [16, 64, 256])
-def test_index(benchmark: Any, batch: int) -> None:
+def test_index(benchmark: Any, batch: int, cached: str) -> None:
     parked = _parked(batch)
-    taken = benchmark(lambda: take_catchup_batch(parked, batch, 0, PAGE, _cached)[0])
-    assert len(taken) == batch  # nobody shares a page past the cached prompt
+    known = _cached(parked, cached)
+    taken = benchmark(lambda: take_catchup_batch(parked, batch, 0, PAGE, known)[0])
+    assert len(taken) == batch  # nobody shares a page past what the tree holds
 
 
+@pytest.mark.parametrize("cached", ["one", "each"])
 @pytest.mark.parametrize("batch", [16, 64, 256])
-def test_pairwise(benchmark: Any, batch: int) -> None:
+def test_pairwise(benchmark: Any, batch: int, cached: str) -> None:
     parked = _parked(batch)
-    taken = benchmark(lambda: _pairwise(parked, 0, PAGE, _cached))
+    known = _cached(parked, cached)
+    taken = benchmark(lambda: _pairwise(parked, 0, PAGE, known))
     assert len(taken) == batch

@@ -20,10 +20,15 @@ from tokencache_routing.core.holdback import (
     take_catchup_batch,
 )
 
+# A request's seq has room after its n tokens (the engine's arrays are made with capacity):
+# filled here with tokens of the same alphabet, so that reading past n would be noticed.
+_PAD = [2, 0, 1, 1]
+
 
 def _request(seq: list[int], done: int | None, **fields: Any) -> Any:
     kv = SimpleNamespace(length=done or 0, attached=done is not None)
-    return SimpleNamespace(seq=np.array(seq, np.int64), n=len(seq), kv=[kv], **fields)
+    padded = np.array(seq + _PAD[: 1 + len(seq) % 4], np.int64)
+    return SimpleNamespace(seq=padded, n=len(seq), kv=[kv], **fields)
 
 
 def _held(r: Any, running: list[Any], page: int, known: int) -> bool:
@@ -89,7 +94,12 @@ def test_not_prefilled_is_kv_short_of_the_last_token() -> None:
 # A member: its tokens after a common prefix, what it committed (None: not attached), and
 # whether it is asked about (then added) or only added; each asker's cached length.
 _steps = st.lists(
-    st.tuples(_seqs, st.one_of(st.none(), st.integers(0, 24)), st.booleans(), st.integers(0, 20)),
+    st.tuples(
+        _seqs,
+        st.one_of(st.none(), st.integers(0, 24)),
+        st.booleans(),
+        st.one_of(st.integers(0, 3), st.integers(0, 20)),  # repeats: asked again, a dict
+    ),
     max_size=12,
 )
 
@@ -109,9 +119,10 @@ _steps = st.lists(
 def test_the_index_answers_as_the_definition_while_it_grows(
     steps: list[tuple[list[int], int | None, bool, int]], page: int, prefix: list[int]
 ) -> None:
-    """Interleaved asks and adds, the askers' cached lengths differing (the index keeps a
-    window table per length asked, and files later members in each): every answer is the
-    brute-force definition's over the members so far."""
+    """Interleaved asks and adds, the askers' cached lengths differing and repeating (the
+    index scans on a length's first ask, keeps a window table from its second, and files
+    later members in each): every answer is the brute-force definition's over the members so
+    far."""
     index = PrefillIndex(0, page)
     members: list[Any] = []
     for seq, done, ask, known in steps:

@@ -5,7 +5,7 @@ one's KV in the tree instead of prefilling the prefix again.
 The question (overlaps_prefill) is asked of every request against every one admitted or taken
 before it; PrefillIndex answers it from an index of those, so a batch of B first forwards costs
 O(B) lookups, not B^2 / 2 comparisons (256 first forwards on one cached 8k prompt: 41 ms
-pairwise, 0.6 ms indexed; benches/test_holdback.py)."""
+pairwise, under 1 ms indexed; benches/test_holdback.py)."""
 
 from __future__ import annotations
 
@@ -37,15 +37,19 @@ class PrefillIndex:
     The definition: r is held by q when their common prefix (of what attach matches, seq[:-1])
     reaches a page past what the tree holds of r (known) and passes what q has committed
     (done): when they agree on their first max(N, done + 1) tokens, N = known + page. Every
-    such q agrees with r on the page before N, so the members are filed by that page (a dict
-    per N, made on the first ask for it: requests on one cached prompt ask one N, and that page
-    is where they part), and only those in r's bucket are compared."""
+    such q agrees with r on the page before N, so the members are filed by that page, a dict
+    per N, and only those in r's bucket are compared. Requests on one cached prompt ask one N
+    (and that page is where they part); a dict is made on the second ask for its N, the first
+    scanning the members instead, so askers that each ask their own N (different prompts,
+    multi-turn histories) cost what a scan does, not a dict each that every later member is
+    filed into."""
 
     def __init__(self, kind: int, page_size: int, members: Iterable[Request] = ()) -> None:
         self.kind, self.page = kind, page_size
         self._members: list[Request] = []
         self._done: list[int] = []  # per member: committed when it came in
         self._by_window: dict[int, dict[bytes, list[int]]] = {}  # N -> seq[N - page:N] -> members
+        self._asked: set[int] = set()  # the N asked once (no dict yet)
         for q in members:
             self.add(q)
 
@@ -70,20 +74,31 @@ class PrefillIndex:
     def holds(self, r: Request, cached: Callable[[Request], int] | None = None) -> bool:
         """overlaps_prefill(r, members): cached(r), how much of r the tree holds, is asked once
         when there is a member."""
-        if not self._members:
-            return False
         page = self.page
-        n = (cached(r) if cached is not None else 0) + page
         last = r.n - 1  # attach matches seq[:-1]
+        if not self._members or last < page:  # nobody to share a page with: the tree not asked
+            return False
+        n = (cached(r) if cached is not None else 0) + page
         if n > last:
             return False
+        lo = n - page
+        window = r.seq[lo:n].tobytes()
         windows = self._by_window.get(n)
-        if windows is None:
+        if windows is not None:
+            bucket: Iterable[int] = windows.get(window, ())
+        elif n in self._asked:  # asked again: worth a dict
             windows = self._by_window[n] = {}
             for i, q in enumerate(self._members):
                 self._file(windows, n, i, q)
-        lo = n - page
-        for i in windows.get(r.seq[lo:n].tobytes(), ()):
+            bucket = windows.get(window, ())
+        else:  # asked once: a scan
+            self._asked.add(n)
+            bucket = (
+                i
+                for i, q in enumerate(self._members)
+                if n <= q.n - 1 and q.seq[lo:n].tobytes() == window
+            )
+        for i in bucket:
             q = self._members[i]
             need = max(n, self._done[i] + 1)  # <= q.n - 1: filed at n, and not prefilled
             if need > last:
