@@ -73,16 +73,17 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
     after_catchup = False
 
     def waited(loop: events.EventLoop, launched: events.Launched, host_cost: float) -> None:
-        """The device's wait for this launch, as _start_on_device reckons it, by cause."""
+        """The device's wait for this launch (its start, after _start_on_device placed it,
+        less when the device was free), by cause."""
         nonlocal after_catchup
-        wait = max(loop.dev_free, loop.t_small + host_cost) - loop.dev_free
+        free = loop.dev_free
+        start_on_device(loop, launched, host_cost)
         if launched.kind == LARGE:
             cause, after_catchup = IDLE[0], True
         else:
             cause, after_catchup = IDLE[1] if after_catchup else IDLE[2], False
         spent[cause][0] += 1
-        spent[cause][1] += wait
-        start_on_device(loop, launched, host_cost)
+        spent[cause][1] += launched.end - launched.device_s - free
 
     events.EventLoop._start_on_device = waited  # type: ignore[method-assign]
     try:

@@ -16,16 +16,12 @@ capturing: there is nothing to replay)."""
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING
 
 import torch
 
 from .context import ForwardOutput
 from .executor import PreparedStep
 from .model import CausalLM
-
-if TYPE_CHECKING:
-    pass
 
 RUNNERS = ("eager", "gpu")
 

@@ -67,9 +67,14 @@ class PrefillIndex:
         for n, windows in self._by_window.items():
             self._file(windows, n, i, q)
 
+    def _window(self, q: Request, n: int) -> bytes | None:
+        """q's page before n, when q can share n tokens with an asker."""
+        return q.seq[n - self.page : n].tobytes() if n <= q.n - 1 else None
+
     def _file(self, windows: dict[bytes, list[int]], n: int, i: int, q: Request) -> None:
-        if n <= q.n - 1:  # q can share n tokens with an asker
-            windows.setdefault(q.seq[n - self.page : n].tobytes(), []).append(i)
+        window = self._window(q, n)
+        if window is not None:
+            windows.setdefault(window, []).append(i)
 
     def holds(self, r: Request, cached: Callable[[Request], int] | None = None) -> bool:
         """overlaps_prefill(r, members): cached(r), how much of r the tree holds, is asked once
@@ -93,11 +98,7 @@ class PrefillIndex:
             bucket = windows.get(window, ())
         else:  # asked once: a scan
             self._asked.add(n)
-            bucket = (
-                i
-                for i, q in enumerate(self._members)
-                if n <= q.n - 1 and q.seq[lo:n].tobytes() == window
-            )
+            bucket = (i for i, q in enumerate(self._members) if self._window(q, n) == window)
         for i in bucket:
             q = self._members[i]
             need = max(n, self._done[i] + 1)  # <= q.n - 1: filed at n, and not prefilled

@@ -482,14 +482,16 @@ class Scheduler:
         # Requests whose prefill in the small model has not run to its end (the only ones
         # that can hold anyone back: the index keeps no other), indexed so a burst of
         # arrivals costs a lookup each. Admitted ones join it (not prefilled yet).
-        prefilling = PrefillIndex(SMALL, small_page, self.running + self.busy)
+        prefilling = PrefillIndex(
+            SMALL, small_page, self.running + self.busy if self.holdback else ()
+        )
         cached = self._cached_len(SMALL)
         while self.waiting and self.num_active() < cfg.max_admitted:
             r = self.waiting.popleft()
             if not_after is not None and r.submitted_at > not_after:
                 self.waiting.appendleft(r)
                 break
-            if self.holdback and prefilling.holds(r, cached):
+            if prefilling.holds(r, cached):  # empty, never holding, without the hold-back
                 self.stats.held_back += 1
                 held.append(r)
                 continue
@@ -499,7 +501,8 @@ class Scheduler:
                 self.admitted += 1
             r.last_small_step = self.stats.steps
             self.running.append(r)
-            prefilling.add(r)
+            if self.holdback:
+                prefilling.add(r)
         self.waiting.extendleft(reversed(held))  # first in line at the next admission
 
     def _cached_len(self, kind: int) -> Callable[[Request], int]:

@@ -63,9 +63,14 @@ impl Inner {
         self.tick
     }
 
+    /// The root of a namespace written before (None: one never written holds nothing).
+    pub fn existing_root(&self, namespace: Option<&str>) -> Option<NodeId> {
+        self.roots.get(&namespace.map(str::to_owned)).copied()
+    }
+
     /// The root of a namespace, created on first use.
     pub fn root(&mut self, namespace: Option<&str>) -> NodeId {
-        if let Some(&id) = self.roots.get(&namespace.map(str::to_owned)) {
+        if let Some(id) = self.existing_root(namespace) {
             return id;
         }
         let ns_index = self.namespaces.len() as u32;

@@ -87,8 +87,8 @@ impl RadixTree {
     /// (a question is not a use), no slots copied out.
     pub fn cached_prefix_len(&self, tokens: &[u32], namespace: Option<&str>) -> usize {
         let inner = self.shared.lock();
-        match inner.roots.get(&namespace.map(str::to_owned)) {
-            Some(&root) => inner.walk(root, tokens, &mut |_, _| {}),
+        match inner.existing_root(namespace) {
+            Some(root) => inner.walk(root, tokens, &mut |_, _| {}),
             None => 0, // a namespace never written holds nothing
         }
     }
@@ -110,7 +110,7 @@ impl RadixTree {
         let mut inner = self.shared.lock();
         if inner.held.is_some() {
             // An unknown namespace holds nothing yet; look before `root` creates it.
-            if let Some(&root) = inner.roots.get(&namespace.map(str::to_owned)) {
+            if let Some(root) = inner.existing_root(namespace) {
                 validate_held(&inner, root, tokens, slots)?;
             } else {
                 validate_held(&inner, inner.roots[&None], &[], slots)?;
