@@ -1,4 +1,4 @@
-"""Decode and catch-up step times of the paged model runner: eager vs CUDA graphs (issue 9).
+"""Decode and catch-up step times of the paged model runner: eager vs CUDA graphs.
 
 GPU (one prepared run, <= 5 minutes):  python benches/gpu/decode_step.py
 CPU smoke test of every code path (tiny model, no timing claims):  ... --smoke --out DIR
@@ -12,14 +12,18 @@ prompts (round-robin; default 1), timed with the shared-prefix kernel (graphs: e
 once for its rows) and without it (graphs-per-row: every row reads its whole list).
 Paths:
   eager   Triton attention (split-KV decode kernel, varlen kernel for catch-ups), no graphs
-  graphs  the same kernels, decode steps replayed from CUDA graphs (padded batch buckets)
+  graphs  the same kernels replayed from CUDA graphs: decode steps (padded batch buckets) and
+          catch-ups (extend_graphs.py: rows x tokens x q_width buckets)
   torch   the portable gather + SDPA attention, eager
   unfused eager without the Triton fusions of the elementwise chains (fused.py)
 Each row: ms per step (CUDA events, median), host wall ms per step, tokens/s and the fraction of
 the memory-bandwidth bound reached (weights + the batch's KV read once, at --bandwidth-gbs; a
 shared prefix counted once per pass of the prefix kernel).
 Before timing, graphs are checked against eager on an fp32 model (logits within 1e-4, identical
-greedy tokens over 64 steps) and the Triton catch-up path against the torch one.
+greedy tokens over 64 steps; catch-up graphs over rounds of catch-ups, likewise) and the Triton
+catch-up path against the torch one. A model too large for fp32 is checked on its first
+CHECK_LAYERS layers. Every row also records the forward's kernel launches per decoder layer
+(tokencache_models.launches, counted on one eager call of that path's kernels).
 Writes <device>-<date>.json to --out, else $OUT, else benches/gpu/results/ (GPU runs only).
 """
 
@@ -55,11 +59,16 @@ from tokencache_models import (  # noqa: E402
 )
 from tokencache_models.config import ModelConfig  # noqa: E402
 from tokencache_models.context import HostBatch  # noqa: E402
+from tokencache_models.extend_graphs import ExtendGraphRunner  # noqa: E402
 from tokencache_models.graphs import DecodeGraphRunner  # noqa: E402
 from tokencache_models.prefix_plan import PrefixShape  # noqa: E402
 
-# The batch sizes issue 9's targets name: timed first, so a short budget still measures them.
+# The batch sizes the decode targets name: timed first, so a short budget still measures them.
 TARGET_BATCHES = (1, 32)
+# fp32 checks of a model over this many parameters use its first CHECK_LAYERS layers (a whole
+# Qwen3-32B in fp32 does not fit beside its bf16 copy).
+CHECK_FULL_PARAMS = 10e9
+CHECK_LAYERS = 4
 
 SMOKE_CONFIG = dataclasses.replace(
     PRESETS["qwen3-0.6b"],
@@ -75,13 +84,14 @@ SMOKE_CONFIG = dataclasses.replace(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
+    p.add_argument("--models", default="qwen3-0.6b,qwen3-8b,qwen3-32b")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--paths", default="eager,graphs,torch,unfused")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument(
         "--catchups",
-        default="1x10@8192,4x10@8192,10x10@8192,10x10@2048,10x15@2048",
+        default="1x10@8192,10x10@8192,4x10@8192,32x10@8192,1x10@2048,4x10@2048,10x10@2048,"
+        "32x10@2048,10x15@2048",
         help="k x t @ L: k requests, t new tokens each, context L",
     )
     p.add_argument(
@@ -214,41 +224,48 @@ class Paths:
         fast = "triton" if cuda else "torch"
         self.backend = {"eager": fast, "graphs": fast, "torch": "torch", "unfused": fast}
         self.backend["graphs-per-row"] = fast
-        # On the CPU the graphs path is the padded static path without capture.
-        self.static = None
+        # On the CPU the graphs path is the static path without capture.
+        self.static: DecodeGraphRunner | None = None
+        self.static_extend: ExtendGraphRunner | None = None
         if not cuda:
             b = model.attention(fast)
             self.static = DecodeGraphRunner(
                 model, pool, b, model.executor.decode_buckets, use_graphs=False
             )
+            self.static_extend = ExtendGraphRunner(model, pool, b, use_graphs=False)
 
-    def runner(self) -> DecodeGraphRunner | None:
+    def runner(self, kind: str = "decode") -> DecodeGraphRunner | ExtendGraphRunner | None:
+        """The graph runner a row of `kind` ("decode", "catch-up") replays from."""
+        attention = self.model.attention(self.backend["graphs"])
+        if kind == "catch-up":
+            if self.static_extend is not None:
+                return self.static_extend
+            return self.model.executor.extend_graph_runner(self.pool, attention)
         if self.static is not None:
             return self.static
-        return self.model.executor.graph_runner(
-            self.pool, self.model.attention(self.backend["graphs"])
-        )
+        return self.model.executor.graph_runner(self.pool, attention)
 
     def call(self, path: str, batch: ForwardBatch) -> Callable[[], Any]:
         model, pool = self.model, self.pool
         backend = self.backend[path]
-        if path == "graphs" and self.static is not None:
+        if path == "graphs":
             hb = HostBatch.from_batch(batch)
-            static = self.static
-            if static.fits(hb):
+            static = self.static if hb.is_decode else self.static_extend
+            if static is not None and static.fits(hb):
                 return lambda: static.run(HostBatch.from_batch(batch))
 
         attention = model.attention(backend)
         shares = attention.shares_prefix
+        executor = model.executor
 
         def run() -> Any:
-            model.executor.decode_graphs = path.startswith("graphs")
+            executor.decode_graphs = executor.extend_graphs = path.startswith("graphs")
             model.fused = False if path == "unfused" else None
             attention.shares_prefix = shares and path != "graphs-per-row"
             try:
                 return model(batch, pool, backend)
             finally:
-                model.executor.decode_graphs = False
+                executor.decode_graphs = executor.extend_graphs = False
                 model.fused = None
                 attention.shares_prefix = shares
 
@@ -276,7 +293,7 @@ def check_graphs_vs_eager(
     token agrees (each path feeds back its own tokens). shared: request i's prompt starts with
     the `shared` tokens of system prompt i % systems, whose slots its requests read."""
     model = random_model(config, device, torch.float32, seed=1, std=0.05)
-    model.executor.decode_graphs = False
+    model.executor.decode_graphs = model.executor.extend_graphs = False
     g = torch.Generator().manual_seed(0)
     own = prompt - shared
     system = [torch.randint(0, config.vocab_size, (shared,), generator=g) for _ in range(systems)]
@@ -323,6 +340,78 @@ def check_graphs_vs_eager(
         "graph_replays": runner.replays if runner is not None and runner.use_graphs else 0,
         "ok": max_diff <= 1e-4 and same_tokens,
     }
+
+
+def check_extend_graphs_vs_eager(
+    config: ModelConfig,
+    device: torch.device,
+    rounds: int,
+    shape: tuple[int, int, int],
+    cuda: bool,
+) -> dict[str, Any]:
+    """fp32 model: `rounds` rounds of catch-ups of k requests x t new tokens over contexts of
+    about L tokens (shape (k, t, L); lengths staggered so rows differ), eager vs catch-up
+    graphs, each in its own pool from the same prefill; each round's first token of a row is
+    that path's own greedy token, the rest fixed. Max |logit diff| and whether every greedy
+    token agrees."""
+    k, t, ctx = shape
+    model = random_model(config, device, torch.float32, seed=1, std=0.05)
+    model.executor.decode_graphs = model.executor.extend_graphs = False
+    g = torch.Generator().manual_seed(2)
+    lens = [max(1, ctx - 7 * i) for i in range(k)]
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lens]
+    tails = [
+        [torch.randint(0, config.vocab_size, (t - 1,), generator=g).tolist() for _ in range(k)]
+        for _ in range(rounds)
+    ]
+    sides: list[dict[str, Any]] = []
+    for path in ("eager", "graphs"):
+        pool = model.make_kv_pool(sum(lens) + k * t * rounds + 8)
+        slots = [pool.alloc(n) for n in lens]
+        for p, sl in zip(prompts, slots, strict=True):
+            out = model(ForwardBatch.from_requests([p], [[]], [sl]), pool, "torch")
+        sides.append({"path": path, "pool": pool, "paths": Paths(model, pool, cuda)})
+        sides[-1].update(slots=slots, tokens=[0] * k)
+    max_diff, same_tokens = 0.0, True
+    for tail in tails:
+        logits = []
+        for s in sides:
+            new = [s["pool"].alloc(t) for _ in range(k)]
+            tokens = [[first, *rest] for first, rest in zip(s["tokens"], tail, strict=True)]
+            fb = ForwardBatch.from_requests(tokens, s["slots"], new)
+            out = s["paths"].call(s["path"], fb)()
+            s["slots"] = [torch.cat((a, b)) for a, b in zip(s["slots"], new, strict=True)]
+            s["tokens"] = out.logits.argmax(-1).tolist()
+            logits.append(out.logits)
+        max_diff = max(max_diff, (logits[0] - logits[1]).abs().max().item())
+        same_tokens &= sides[0]["tokens"] == sides[1]["tokens"]
+    runner = sides[1]["paths"].runner("catch-up")
+    return {
+        "check": f"catch-up graphs vs eager, fp32, {k}x{t}@{ctx}",
+        "rounds": rounds,
+        "max_abs_logit_diff": max_diff,
+        "greedy_tokens_identical": same_tokens,
+        "graph_replays": runner.replays if runner is not None and runner.use_graphs else 0,
+        "ok": max_diff <= 1e-4 and same_tokens,
+    }
+
+
+def launches_per_layer(model: CausalLM, path: str, fn: Callable[[], Any], graphed: bool) -> Any:
+    """Kernel launches per decoder layer of one call of the row's forward, counted on its
+    kernels run eagerly (a graph replays the same launches); None where the counter is
+    missing."""
+    try:
+        from tokencache_models.launches import count_launches
+    except ImportError:
+        return None
+    executor = model.executor
+    switches = executor.decode_graphs, executor.extend_graphs
+    try:
+        return count_launches(model, fn, eager=graphed).per_layer
+    except Exception as e:  # the count is a side fact of the row: never its failure
+        return f"{type(e).__name__}: {e}"[:100]
+    finally:
+        executor.decode_graphs, executor.extend_graphs = switches
 
 
 def check_catchup_paths(
@@ -385,19 +474,25 @@ def bench_model(
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     catchups = parse_catchups(args.catchups)
     shared_specs = parse_shared(args.shared_decode)
+    model = random_model(config, device, dtype, seed=0)
+    model.executor.decode_graphs = model.executor.extend_graphs = False
+    kvb = kv_bytes_per_token(config, dtype)
+    if cuda:  # rows whose KV does not fit beside the weights are left out (Qwen3-32B's b=256)
+        room = int(0.8 * torch.cuda.mem_get_info()[0]) // kvb
+        sizes = [b for b in sizes if b * args.context <= room]
+        catchups = [c for c in catchups if c[0] * c[2] <= room]
+        shared_specs = [x for x in shared_specs if x[3] * (x[1] - x[2]) + x[0] * x[2] <= room]
     need = max(
-        [max(sizes) * args.context]
+        [max(sizes, default=1) * args.context]
         + [k * c for k, _, c in catchups]
         + [k * (ctx - own) + b * own for b, ctx, own, k in shared_specs]
     )
-    model = random_model(config, device, dtype, seed=0)
-    model.executor.decode_graphs = False
     pool = KVPool.for_config(config, need, device, dtype)
     pool.k_store.normal_()
     pool.v_store.normal_()
     perm = torch.randperm(pool.num_slots)  # scattered slots, as a paged cache would be
     paths = Paths(model, pool, cuda)
-    wbytes, kvb = weight_bytes(model), kv_bytes_per_token(config, dtype)
+    wbytes = weight_bytes(model)
     rows: list[dict[str, Any]] = []
     checks = [check_catchup_paths(model, pool, perm, catchups[0])] if catchups else []
     if shared_specs:
@@ -416,7 +511,8 @@ def bench_model(
         if time.monotonic() > deadline:
             row["skipped"] = "time budget"
         else:
-            runner = paths.runner() if row["path"].startswith("graphs") else None
+            graphed = row["path"].startswith("graphs")
+            runner = paths.runner(row["kind"]) if graphed else None
             before = runner.replays if runner is not None else 0
             try:
                 ms, wall = time_calls(fn, args.warmup, args.iters, cuda)
@@ -428,9 +524,10 @@ def bench_model(
                     bound_ms=bound,
                     bound_fraction=bound / ms,
                 )
-                runner = paths.runner() if row["path"].startswith("graphs") else None
+                runner = paths.runner(row["kind"]) if graphed else None
                 if runner is not None and runner.use_graphs:
                     row["graph_replays"] = runner.replays - before
+                row["launches_per_layer"] = launches_per_layer(model, row["path"], fn, graphed)
             except Exception as e:  # record OOM / compile errors and go on
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 if cuda:
@@ -448,8 +545,6 @@ def bench_model(
     def catch_up(k: int, t: int, ctx: int) -> None:
         batch = catchup_batch(k, t, ctx, perm, config.vocab_size)
         for path in args.paths.split(","):
-            if path == "graphs":
-                continue  # multi-token batches are never graphed
             row = {"model": name, "kind": "catch-up", "path": path, "batch": k, "context": ctx}
             row["new_tokens"] = t
             timed(row, paths.call(path, batch), k * t, k * ctx)
@@ -492,8 +587,8 @@ def bench_model(
 
 def markdown(rows: list[dict[str, Any]], title: str) -> str:
     lines = [f"## {title}", "", "| model | kind | path | batch | context | step ms | host ms |"]
-    lines[-1] += " tokens/s | bound ms | of bound |"
-    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    lines[-1] += " tokens/s | bound ms | of bound | launches / layer |"
+    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         kind = r["kind"] + (f" x{r['new_tokens']}" if "new_tokens" in r else "")
         kind += f", {r['prompts']} prompts" if r.get("prompts", 1) > 1 else ""
@@ -502,10 +597,22 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
             lines.append(
                 f"{head} {r['step_ms']:.2f} | {r['wall_ms']:.2f} | {r['tokens_per_s']:.0f} |"
                 f" {r['bound_ms']:.2f} | {r['bound_fraction']:.2f} |"
+                f" {r.get('launches_per_layer') or '-'} |"
             )
         else:
-            lines.append(f"{head} {(r.get('skipped') or r.get('error', '?'))[:40]} | | | | |")
+            lines.append(f"{head} {(r.get('skipped') or r.get('error', '?'))[:40]} | | | | | |")
     return "\n".join(lines)
+
+
+def checkable(config: ModelConfig) -> ModelConfig:
+    """The model the fp32 checks build: the whole model, or its first CHECK_LAYERS layers when
+    it is too large to hold in fp32 beside the benchmark's bf16 model."""
+    h, d = config.hidden_size, config.head_dim
+    attn = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    layer = attn + 3 * h * config.intermediate_size
+    if config.num_hidden_layers * layer + config.vocab_size * h <= CHECK_FULL_PARAMS:
+        return config
+    return dataclasses.replace(config, num_hidden_layers=CHECK_LAYERS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -530,8 +637,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     cuda = device.type == "cuda"
     name0 = args.models.split(",")[0]
-    check_cfg = SMOKE_CONFIG if args.smoke else PRESETS[name0]
+    check_cfg = SMOKE_CONFIG if args.smoke else checkable(PRESETS[name0])
     checks = [check_graphs_vs_eager(check_cfg, device, args.check_steps, 8, 64, cuda)]
+    # Catch-up graphs against eager: a catch-up like the routing engine's, then a prefill-like
+    # chunk (one row, many tokens), each over several rounds.
+    rounds = 3 if args.smoke else 8
+    for shape in ((3, 4, 30), (1, 20, 40)) if args.smoke else ((10, 10, 512), (1, 100, 256)):
+        checks.append(check_extend_graphs_vs_eager(check_cfg, device, rounds, shape, cuda))
     # The shared-prefix kernel against every row reading its whole list (graphs both), over
     # two system prompts (two groups).
     shared = 256 if not args.smoke else 8

@@ -120,6 +120,8 @@ class TorchPagedAttention:
         if ctx.is_decode:
             slots, valid = _padded_slots(ctx, kv_starts, kv_lens, ctx.kv_width)
             return AttnTables(slots=slots, mask=valid[:, None, None, :])
+        if ctx.q_width:
+            return self._static_tables(ctx)
         q_lens = ctx.q_offsets.diff()
         arrays = ctx.plan_arrays
         groups = []
@@ -134,6 +136,27 @@ class TorchPagedAttention:
             mask = valid[:, None, :] & (cols[None, None, :] <= limit)
             groups.append(TokenGroup(q_idx, slots, mask[:, None], qm))
         return AttnTables(groups=tuple(groups), rows=arrays[-1])
+
+    @staticmethod
+    def _static_tables(ctx: ForwardContext) -> AttnTables:
+        """A multi-token batch in a graph's static layout (ctx.q_width): one padded
+        [rows, q_width, kv_width] group built on the device from the context's buffers, the
+        same shapes whatever the rows hold (no host plan, so it can be captured)."""
+        qm, lm, device = ctx.q_width, ctx.kv_width, ctx.device
+        q_off, kv_lens = ctx.q_offsets, ctx.kv_lens
+        q_lens = q_off.diff()
+        j = torch.arange(qm, device=device)
+        # Padded query rows re-read the row's last token (an empty row, any token: dropped).
+        within = torch.minimum(j[None, :], (q_lens - 1).clamp_min(0)[:, None])
+        q_idx = (q_off[:-1, None] + within).clamp_max(ctx.num_tokens - 1).reshape(-1)
+        slots, valid = _padded_slots(ctx, ctx.kv_starts, kv_lens, lm)
+        cols = torch.arange(lm, device=device)
+        limit = (kv_lens - q_lens)[:, None, None] + j[None, :, None]
+        mask = valid[:, None, :] & (cols[None, None, :] <= limit)
+        group = TokenGroup(q_idx, slots, mask[:, None], qm)
+        tokens = torch.arange(ctx.num_tokens, device=device)
+        row = torch.searchsorted(q_off[1:], tokens, right=True)
+        return AttnTables(groups=(group,), rows=row * qm + tokens - q_off[row])
 
     def forward(
         self,
@@ -214,7 +237,7 @@ class TritonPagedAttention(TorchPagedAttention):
 
         return paged_varlen(
             q, k_cache, v_cache, ctx.kv_slots, ctx.q_offsets, ctx.kv_starts, ctx.kv_lens, scale,
-            ctx.max_q_len, kv_total=ctx.kv_total, prefix=ctx.prefix,
+            ctx.max_q_len, kv_total=ctx.kv_total, splits=ctx.splits, prefix=ctx.prefix,
         )  # fmt: skip
 
 

@@ -420,6 +420,13 @@ class ForwardContext:
     # The attention backend's host plan (HostPlan.groups) and its arrays, moved in the one copy.
     plan_groups: tuple[tuple[int, int, int], ...] = ()
     plan_arrays: tuple[torch.Tensor, ...] = ()
+    # A multi-token batch in a graph's static layout (extend_graphs.ExtendGraphRunner): every
+    # row has at most q_width new tokens, and the attention backends size everything from the
+    # context's shapes and these numbers, never from host facts about the rows (0: not static).
+    q_width: int = 0
+    # The Triton varlen kernel's split-KV count, fixed by the graph's key (None: chosen from
+    # the host facts, eagerly).
+    splits: int | None = None
 
     @property
     def device(self) -> torch.device:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,6 +38,12 @@ from .context import (
     decode_bucket,
 )
 from .epilogue import Epilogue
+from .extend_graphs import (
+    DEFAULT_EXTEND_ROWS,
+    DEFAULT_EXTEND_TOKENS,
+    ExtendGraphRunner,
+    ExtendStep,
+)
 from .graphs import DecodeGraphRunner, ForwardBody, StaticStep
 from .kv_pool import KVPool
 from .prefix_plan import PrefixShape
@@ -72,13 +79,15 @@ class Network(ForwardBody, Protocol):
 @dataclass(frozen=True)
 class PreparedStep:
     """A forward whose host work is done (ModelExecutor.prepare): an eager context, or a
-    decode step loaded into a graph runner's static buffers."""
+    decode or multi-token step loaded into a graph runner's static buffers."""
 
     pool: KVPool
     backend: TorchPagedAttention
     context: ForwardContext | None = None
     static: StaticStep | None = None
     runner: DecodeGraphRunner | None = None
+    extend: ExtendStep | None = None
+    extend_runner: ExtendGraphRunner | None = None
     # What the forward computes from its logits on the device (greedy tokens, entropy)
     epilogue: Epilogue | None = None
     # Tensor parallelism: what the engine's rank sends its workers when it runs this step.
@@ -93,6 +102,13 @@ class ModelExecutor:
     decode_graphs replays CUDA graphs for them, decode_buckets the bucket sizes.
     decode_runner (None: on CUDA) loads decode steps into a graph runner's static buffers;
     True off CUDA runs that static path without capturing (the host-path benchmarks' stub).
+    extend_graphs replays multi-token forwards (catch-ups, short prefill chunks) from CUDA
+    graphs (extend_graphs.ExtendGraphRunner) within extend_rows x extend_tokens; extend_runner
+    (None: on CUDA) as decode_runner, True off CUDA runs their static path without capturing.
+
+    `forwards` counts the forwards executed by path ("decode graph", "extend graph", "decode
+    eager", "extend eager"; "static" for a runner's path run without capture, off CUDA):
+    graph coverage as a number (the routing engine's Stats and benchmarks read it).
     """
 
     def __init__(self, model: Network) -> None:
@@ -101,8 +117,16 @@ class ModelExecutor:
         self.decode_graphs = True
         self.decode_runner: bool | None = None
         self.decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
+        self.extend_graphs = True
+        self.extend_runner: bool | None = None
+        self.extend_rows: tuple[int, ...] = DEFAULT_EXTEND_ROWS
+        self.extend_tokens: tuple[int, ...] = DEFAULT_EXTEND_TOKENS
+        self.forwards: Counter[str] = Counter()
         # pool -> {backend name: runner}; weak, so a dropped pool frees its runners and graphs.
         self._runners: weakref.WeakKeyDictionary[KVPool, dict[str, DecodeGraphRunner]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._extend_runners: weakref.WeakKeyDictionary[KVPool, dict[str, ExtendGraphRunner]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -111,12 +135,13 @@ class ModelExecutor:
         the switches travel, the graph runners (bound to this process's pools and device
         memory) do not."""
         state = dict(self.__dict__)
-        state["_runners"] = None
+        state["_runners"] = state["_extend_runners"] = None
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._runners = weakref.WeakKeyDictionary()
+        self._extend_runners = weakref.WeakKeyDictionary()
 
     def pads_decode(self) -> bool:
         if self.decode_padding is not None:
@@ -137,6 +162,23 @@ class ModelExecutor:
             runners[backend.name] = runner
         return runner
 
+    def extend_graph_runner(
+        self, pool: KVPool, backend: TorchPagedAttention
+    ) -> ExtendGraphRunner | None:
+        """The multi-token graph runner of (pool, backend), made on first use (capturing only
+        on CUDA); None while extend_graphs is off, or off CUDA unless extend_runner is set."""
+        use = self.extend_runner
+        if not self.extend_graphs or not (self.model.device.type == "cuda" if use is None else use):
+            return None
+        runners = self._extend_runners.setdefault(pool, {})
+        runner = runners.get(backend.name)
+        if runner is None:
+            runner = ExtendGraphRunner(
+                self.model, pool, backend, self.extend_rows, self.extend_tokens
+            )
+            runners[backend.name] = runner
+        return runner
+
     def prepare_runner(
         self, pool: KVPool, attention_backend: str | None = None
     ) -> DecodeGraphRunner | None:
@@ -152,8 +194,12 @@ class ModelExecutor:
         return self.graph_runner(pool, self.model.attention(attention_backend))
 
     def runners(self, pool: KVPool) -> list[DecodeGraphRunner]:
-        """The graph runners made over `pool` so far."""
+        """The decode graph runners made over `pool` so far."""
         return list(self._runners.get(pool, {}).values())
+
+    def extend_runners(self, pool: KVPool) -> list[ExtendGraphRunner]:
+        """The multi-token graph runners made over `pool` so far."""
+        return list(self._extend_runners.get(pool, {}).values())
 
     def build_context(
         self,
@@ -213,6 +259,13 @@ class ModelExecutor:
             if runner is not None and pad_to is not None and runner.fits(hb):
                 static = runner.prepare(hb, epilogue)
                 return PreparedStep(pool, backend, static=static, runner=runner, epilogue=epilogue)
+        elif not hb.is_decode:
+            extend = self.extend_graph_runner(pool, backend)
+            if extend is not None and extend.fits(hb):
+                step = extend.prepare(hb, epilogue)
+                return PreparedStep(
+                    pool, backend, extend=step, extend_runner=extend, epilogue=epilogue
+                )
         ctx = self.build_context(hb, pool, backend, pad_to)
         return PreparedStep(pool, backend, context=ctx, epilogue=epilogue)
 
@@ -229,10 +282,26 @@ class ModelExecutor:
         except Exception as exc:  # a collective failed: a worker rank is gone
             raise tp.fail(exc) from exc
 
+    @staticmethod
+    def path_of(step: PreparedStep) -> str:
+        """How a prepared forward runs: "decode" or "extend" (multi-token), then "graph" (a
+        CUDA graph's replay), "static" (a graph runner's path without capture, off CUDA) or
+        "eager"."""
+        if step.runner is not None:
+            return "decode graph" if step.runner.use_graphs else "decode static"
+        if step.extend_runner is not None:
+            return "extend graph" if step.extend_runner.use_graphs else "extend static"
+        assert step.context is not None
+        return "decode eager" if step.context.is_decode else "extend eager"
+
     def _execute(self, step: PreparedStep) -> ForwardOutput:
+        self.forwards[self.path_of(step)] += 1
         if step.runner is not None:
             assert step.static is not None
             return step.runner.execute(step.static)
+        if step.extend_runner is not None:
+            assert step.extend is not None
+            return step.extend_runner.execute(step.extend)
         assert step.context is not None
         out = self.model.run(step.context, step.pool, step.backend)
         return step.epilogue.apply(out) if step.epilogue is not None else out

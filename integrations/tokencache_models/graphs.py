@@ -19,7 +19,7 @@ is captured in its graph, so graphs are keyed by it too.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,6 +28,7 @@ import torch
 
 from .context import (
     KV_CHUNK,
+    DeferredTokens,
     ForwardContext,
     ForwardOutput,
     HostBatch,
@@ -91,6 +92,52 @@ def _contiguous(dest: np.ndarray) -> bool:
     if int(dest[-1]) - int(dest[0]) != m - 1:
         return False
     return bool((dest[1:] - dest[:-1] == 1).all())
+
+
+def write_deferred(
+    tokens: torch.Tensor,
+    deferred: DeferredTokens,
+    index: torch.Tensor,
+    dest: torch.Tensor,
+    views: dict[int, torch.Tensor],
+) -> None:
+    """tokens[dest] = source[index] into a runner's static token buffer, on the device, after
+    the packed copy that brought `index` and `dest` and BEFORE the replay, outside the graph
+    (stream order makes the replay see it; the host waits for nothing). Not inside the graph:
+    `source` is a new tensor every step (the previous step's samples) and a graph would replay
+    the address it captured; a static source buffer would cost the same gather to fill, and m
+    varies per step, so the graphs and their keys stay as they are. views: the runner's kept
+    slices tokens[:m], by m."""
+    m = len(deferred)
+    if deferred.in_place:  # token i is source[i], for every i < m: one copy
+        view = views.get(m)
+        if view is None:  # one slice per batch size, kept: a step makes no view
+            view = views[m] = tokens[:m]
+        view.copy_(deferred.source)
+    elif _contiguous(deferred.dest):  # a run of rows (the overlapped scheduler's continuing
+        # rows, after the fresh ones): gathered straight into it, one op
+        first = int(deferred.dest[0])
+        torch.index_select(deferred.source, 0, index[:m], out=tokens[first : first + m])
+    else:
+        tokens.index_copy_(0, dest[:m], deferred.gather(index[:m]))
+
+
+def capture_graph(
+    body: Callable[[], ForwardOutput], mempool: Any
+) -> tuple[torch.cuda.CUDAGraph, ForwardOutput]:
+    """body's warm-up run (Triton compiles, cuBLAS plans) on a side stream, then its capture
+    into a graph in `mempool`. Both run on whatever the buffers hold: the current step or
+    padding rows, so the only K/V writes are the ones the replay makes anyway."""
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the routing engine's threaded mode runs the other model meanwhile.
+    with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+        out = body()
+    return graph, out
 
 
 class DecodeGraphRunner:
@@ -173,6 +220,7 @@ class DecodeGraphRunner:
         self._table: SlotTable | None = None  # the slot table the table-keyed graphs read
         self._mempool: Any = None
         self.replays = 0  # decode steps served by a graph (tests and benches read it)
+        self.captures = 0  # graphs captured so far
 
     @property
     def pool(self) -> KVPool:
@@ -295,29 +343,9 @@ class DecodeGraphRunner:
         if self._staging:
             self._inputs.copy_(staging, non_blocking=True)
         if deferred is not None and m:
-            # The static token buffer gets token_ids[dest] = source[index] on the device, after
-            # the packed copy and BEFORE the replay, outside the graph (stream order makes the
-            # replay see it; the host waits for nothing). Not inside the graph: `source` is a
-            # new tensor every step (the previous step's samples) and a graph would replay the
-            # address it captured; a static source buffer would cost the same gather to fill,
-            # and m varies per step, so the graphs and their keys stay as they were.
-            if deferred.in_place:  # token i is source[i], for every i < m: one copy
-                view = self._token_views.get(m)
-                if view is None:  # one slice per batch size, kept: a step makes no view
-                    view = self._token_views[m] = self._tokens[:m]
-                view.copy_(deferred.source)
-            elif _contiguous(deferred.dest):  # a run of rows (the overlapped scheduler's
-                # continuing rows, after the fresh ones): gathered straight into it, one op
-                first = int(deferred.dest[0])
-                torch.index_select(
-                    deferred.source,
-                    0,
-                    self._deferred_index[:m],
-                    out=self._tokens[first : first + m],
-                )
-            else:
-                index, dest = self._deferred_index[:m], self._deferred_dest[:m]
-                self._tokens.index_copy_(0, dest, deferred.gather(index))
+            write_deferred(
+                self._tokens, deferred, self._deferred_index, self._deferred_dest, self._token_views
+            )
         if hb.table is None:
             (slots,) = to_device([hb.kv_slots], self._kv_slots.device)
             self._kv_slots[: slots.numel()].copy_(slots)  # the step's own slot list
@@ -408,23 +436,13 @@ class DecodeGraphRunner:
         source: int = 0,
         epilogue: Epilogue | None = None,
     ) -> tuple[Any, ForwardOutput]:
-        """Warm-up run (Triton compiles, cuBLAS plans) on a side stream, then the capture. Both
-        run on whatever the buffers hold: the current step or padding rows, so the only K/V
-        writes are the ones the replay makes anyway."""
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
+        """The graph of this key (capture_graph), held from now on."""
         key = (rows, width, groups, source, epilogue)  # the prefix tables are in their buffers
-        with torch.cuda.stream(stream):
-            self._body(*key)
-        torch.cuda.current_stream().wait_stream(stream)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the routing engine's threaded mode runs the other model meanwhile.
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            out = self._body(*key)
-        entry = (graph, out)
+        entry = capture_graph(lambda: self._body(*key), self._mempool)
         self._graphs[self._key(*key)] = entry
+        self.captures += 1
         return entry
 
     @torch.inference_mode()

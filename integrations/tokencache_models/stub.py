@@ -11,7 +11,8 @@ Whose host preparation: `runner="eager"` keeps the model's own (on this CPU the 
 backend's eager path: ForwardContext.build each step); `runner="gpu"` prepares what the model
 would on a GPU: the Triton backend's plan and shared-prefix tables, decode steps padded to a
 bucket and loaded into a graph runner's static buffers (graphs.DecodeGraphRunner, without
-capturing: there is nothing to replay)."""
+capturing: there is nothing to replay), multi-token forwards laid out in the multi-token
+runner's (extend_graphs.ExtendGraphRunner)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def stub_execute(model: CausalLM, runner: str = "eager") -> CausalLM:
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
 
     def execute(self: CausalLM, step: PreparedStep) -> ForwardOutput:
-        n = step.static.num_real if step.static is not None else step.context.num_real  # type: ignore[union-attr]
+        n = next(s.num_real for s in (step.static, step.extend, step.context) if s is not None)
         out = ForwardOutput(logits=torch.zeros(n, vocab), hidden=torch.zeros(n, hidden))
         # The epilogue is device work too (in the step's graph on a GPU): computed here.
         return step.epilogue.apply(out) if step.epilogue is not None else out
@@ -51,3 +52,4 @@ def _gpu_host_path(model: CausalLM) -> None:
     executor = model.executor
     executor.decode_padding = True
     executor.decode_runner = True  # the graph runner's static path, without capture
+    executor.extend_runner = True  # and the multi-token one's

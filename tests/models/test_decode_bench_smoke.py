@@ -36,7 +36,8 @@ def test_smoke_run_writes_every_row_and_passes_its_checks(tmp_path: Path) -> Non
         (2, 3, 40),
         (1, 5, 70),
     }
-    assert all(r["path"] != "graphs" for r in catchups)  # multi-token batches are never graphed
+    # Every path times catch-ups, the graphs path through the multi-token runner.
+    assert {r["path"] for r in catchups} == {"eager", "graphs", "torch", "unfused"}
     for r in rows:
         assert {"model", "path", "batch", "context", "step_ms"} <= set(r), r
         assert r["step_ms"] > 0 and r["bound_fraction"] > 0 and r["bound_ms"] > 0
@@ -46,9 +47,14 @@ def test_smoke_run_writes_every_row_and_passes_its_checks(tmp_path: Path) -> Non
     assert shared_rows == {
         (b, k, p) for b, k in ((3, 1), (4, 2)) for p in ("graphs", "graphs-per-row")
     }
-    graphs_check, shared_check = result["checks"][:2]
+    graphs_check, *extend_checks, shared_check = result["checks"][:4]
     assert graphs_check["ok"] and graphs_check["greedy_tokens_identical"]
     assert graphs_check["max_abs_logit_diff"] <= 1e-4
+    assert [c["check"] for c in extend_checks] == [
+        "catch-up graphs vs eager, fp32, 3x4@30",
+        "catch-up graphs vs eager, fp32, 1x20@40",
+    ]
+    assert all(c["ok"] and c["greedy_tokens_identical"] for c in extend_checks)
     assert "graphs vs graphs-per-row" in shared_check["check"] and shared_check["ok"]
     # The routing engine's GPU clock refits from this very file (as a GPU session would).
     from tokencache_routing import GpuClock

@@ -29,3 +29,23 @@ def pair() -> Iterator[tuple[Any, Any]]:
     large = random_model(tiny_config(2), seed=2, std=0.3, attention_backend="torch").eval()
     yield small, large
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def graphed_pair() -> Iterator[tuple[Any, Any]]:
+    """The same pair (same weights) whose forwards all take the graph runners' static paths,
+    what CUDA graphs replay, decode padded to its buckets as on CUDA: the exactness suites run
+    on it too."""
+    from routing_helpers import tiny_config
+
+    from tokencache_models import random_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    small = random_model(tiny_config(1), seed=1, std=0.3, attention_backend="torch").eval()
+    large = random_model(tiny_config(2), seed=2, std=0.3, attention_backend="torch").eval()
+    for model in (small, large):
+        executor = model.executor
+        executor.decode_padding = executor.decode_runner = executor.extend_runner = True
+    yield small, large
+    torch.set_num_threads(threads)

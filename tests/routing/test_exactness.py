@@ -216,3 +216,30 @@ def test_cost_launch_policy_is_exact(pair: Any, mode: str, clock: str, overlap: 
         )
         if mode == "events" and clock != "measured":
             assert max(res.stats.catchup_batch_sizes) > 1  # it waited for bigger catch-ups
+
+
+@pytest.mark.parametrize("mode", ["events", "threaded"])
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("p,seed", [(0.1, 3), (0.4, 4)])
+def test_graphed_paths_route_exactly(
+    graphed_pair: Any, mode: str, page_size: int, p: float, seed: int
+) -> None:
+    """Every decode step and catch-up through the graph runners' static paths (what a CUDA
+    graph replays): the routed output still equals the no-cache reference, prompts sharing a
+    prefix included, and no multi-token forward of the large model ran eagerly."""
+    router = BernoulliRouter(p, seed=seed)
+    prompts = make_prompts(5, seed=20 + seed, shared=6)
+    _, res = check(
+        graphed_pair,
+        router,
+        bernoulli_decide(router),
+        prompts,
+        12,
+        num_slots=512,
+        page_size=page_size,
+        mode=mode,
+    )
+    paths = res.stats.forward_paths
+    assert paths.get("large extend static", 0) >= 1, paths
+    assert "large extend eager" not in paths and "small decode eager" not in paths, paths
+    assert res.stats.graph_share() == 1.0

@@ -12,7 +12,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from tokencache_models import DeferredTokens, ForwardOutput, HostBatch
+from tokencache_models import DeferredTokens, ForwardOutput, HostBatch, ModelExecutor
 
 from .kv import KVHandle, ModelSide
 from .prefix import NO_PREFIX, PrefixRead
@@ -137,6 +137,7 @@ class PreparedForward:
         greedy token and what of the router's features the device can (device work)."""
         model, timer = self.side.model, self.side.timer
         step = model.prepare(self.host, self.side.pool, epilogue=self.side.epilogue(router))
+        self.side.forward_paths[ModelExecutor.path_of(step)] += 1
         t1, w1 = timer(), time.perf_counter()
         out = model.execute(step)
         self.side.sync()

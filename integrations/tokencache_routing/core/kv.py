@@ -11,6 +11,7 @@ bookkeeping share of step time).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -83,6 +84,9 @@ class ModelSide:
         # The same time by tree operation (match, lock, insert, unlock, extend, release,
         # evict): the published per-step breakdown is in these terms.
         self.bookkeeping_by_op: dict[str, float] = {}
+        # Forwards by path (ModelExecutor.path_of: "extend graph", "decode eager", ...): the
+        # share of forwards replayed from CUDA graphs, published in Stats.forward_paths.
+        self.forward_paths: Counter[str] = Counter()
         # Measuring on CUDA: synchronise around tree calls, so device work a tree enqueues (as
         # SGLang's does) is charged to bookkeeping, not to the next forward.
         self.sync_cuda = False
@@ -283,3 +287,8 @@ class CursorKV(SlotRow):
         self.cursor = None
         self._drop_row()
         self.side.free(tail)
+
+
+def forward_paths(sides: Sequence[ModelSide]) -> dict[str, int]:
+    """Every side's forwards by path, keyed "<side> <path>" (Stats.forward_paths)."""
+    return {f"{side.name} {path}": n for side in sides for path, n in side.forward_paths.items()}

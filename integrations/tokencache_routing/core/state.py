@@ -384,6 +384,17 @@ class Stats:
     # KV it read: GpuClock.kv_read(kv_tokens, prefix); its longest P: prefix.longest.
     catchup_kv_tokens: list[int] = field(default_factory=list)
     catchup_shared_prefix: list[PrefixRead] = field(default_factory=list)
+    # Forwards by model and path ("small decode graph", "large extend eager", ...;
+    # ModelExecutor.path_of): graph coverage as a number.
+    forward_paths: dict[str, int] = field(default_factory=dict)
+
+    def graph_share(self, side: str | None = None) -> float:
+        """Of the forwards (of side "small" or "large", or both), the share that did not run
+        eagerly: graph replays, or a graph runner's static path off CUDA."""
+        mine = {k: v for k, v in self.forward_paths.items() if side is None or k.startswith(side)}
+        total = sum(mine.values())
+        eager = sum(v for k, v in mine.items() if k.endswith("eager"))
+        return (total - eager) / total if total else 0.0
 
     @property
     def bookkeeping_share(self) -> float:
@@ -417,8 +428,8 @@ class Stats:
     def copy(self) -> Stats:
         out = Stats(**{k: getattr(self, k) for k in self.__dataclass_fields__})
         for k, v in vars(out).items():
-            if isinstance(v, list):
-                setattr(out, k, list(v))
+            if isinstance(v, (list, dict)):
+                setattr(out, k, type(v)(v))
         return out
 
     def since(self, start: Stats) -> Stats:
@@ -426,7 +437,11 @@ class Stats:
         out = Stats()
         for k in self.__dataclass_fields__:
             now, then = getattr(self, k), getattr(start, k)
-            setattr(out, k, now[len(then) :] if isinstance(now, list) else now - then)
+            if isinstance(now, dict):
+                diff = {key: n - then.get(key, 0) for key, n in now.items()}
+                setattr(out, k, {key: n for key, n in diff.items() if n})
+            else:
+                setattr(out, k, now[len(then) :] if isinstance(now, list) else now - then)
         return out
 
 

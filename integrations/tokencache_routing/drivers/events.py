@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..core.batch import PreparedForward
+from ..core.kv import forward_paths
 from ..core.scheduler import WaitForMemory
 from ..core.state import LARGE, SMALL, DriverEngine, Request
 
@@ -89,6 +90,7 @@ class EventLoop:
         else:
             self._serial_iteration()
         s.stats.bookkeeping_s = sum(side.bookkeeping_s for side in self.sides)
+        s.stats.forward_paths = forward_paths(self.sides)
         s.stats.modeled_s = self.eng.now()
         return True
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..core.batch import PreparedForward
+from ..core.kv import forward_paths
 from ..core.scheduler import WaitForMemory
 from ..core.state import LARGE, SMALL, DriverEngine
 
@@ -230,4 +231,5 @@ class ThreadedDriver:
     def _publish_stats(self) -> None:
         st = self.sched.stats
         st.bookkeeping_s = sum(side.bookkeeping_s for side in self.eng.sides)
+        st.forward_paths = forward_paths(self.eng.sides)
         st.modeled_s = self.eng.now()

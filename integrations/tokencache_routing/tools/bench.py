@@ -118,6 +118,10 @@ class Row:
     # (NaN in rows of older runs, which kept only the gaps).
     tpot_p50_ms: float = math.nan
     tpot_p99_ms: float = math.nan
+    # Graph coverage: the share of both models' forwards that did not run eagerly (CUDA-graph
+    # replays; off CUDA, a graph runner's static path), Stats.graph_share; the counts by path
+    # are in extra["forward_paths"]. NaN in rows of older runs.
+    graph_share: float = math.nan
 
 
 def point(r: Row) -> tuple[str, int, int, int]:
@@ -333,6 +337,7 @@ def run(
     extra["arrival_rate"] = rate
     extra["launch"] = sched.launch
     extra["prefill_chunks"] = st.prefill_chunks
+    extra["forward_paths"] = st.forward_paths
     # The gaps before the small model's tokens (their ITL): what other requests' prefills and
     # catch-ups cost a decoding request, without its own escalations' waits (the large
     # model's tokens).
@@ -405,6 +410,7 @@ def run(
         gpu_idle_share=(
             st.device_idle_s / (st.device_idle_s + st.small_device_s) if st.device_idle_s else 0.0
         ),
+        graph_share=st.graph_share() if st.forward_paths else math.nan,
     )
 
 
@@ -422,8 +428,8 @@ def _progress(total: int, desc: str, a: argparse.Namespace) -> Any:
 HEADER = (
     "| L | p | system | tok/s | x naive | TTFT p50 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | "
     "occupancy | small steps | catch-ups | mean catch-up | bookkeeping | host ms / small step | "
-    "GPU idle |\n"
-    "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "GPU idle | graphs |\n"
+    "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -442,7 +448,8 @@ def table(rows: list[Row]) -> str:
             f"{r.itl_p50_ms:.1f} / {r.itl_p99_ms:.1f} | "
             f"{100 * r.occupancy:.0f}% | {r.small_steps} | {r.catchups} | "
             f"{r.mean_catchup_batch:.1f} | {100 * r.bookkeeping_share:.2f}% | "
-            f"{r.host_ms_per_small_step:.3f} | {100 * r.gpu_idle_share:.0f}% |"
+            f"{r.host_ms_per_small_step:.3f} | {100 * r.gpu_idle_share:.0f}% | "
+            f"{100 * r.graph_share:.0f}% |"
         )
     return "\n".join(out)
 
