@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import sys
@@ -90,6 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="DIR",
         help="also write <device>-<date>-routing*.json there (default: benches/gpu/results/)",
+    )
+    p.add_argument(
+        "--warm-up",
+        choices=["pass", "full", "none"],
+        default="pass",
+        help="before each row's timed window (tokencache_routing.bench --warm-up): pass, full "
+        "or none",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny configs on CPU (checks the script)")
@@ -162,6 +170,28 @@ def write(result: dict[str, Any], a: argparse.Namespace) -> None:
 
 
 SERIAL = "tokencache (serial)"  # tokencache without overlapped scheduling
+MEMORY_SLACK = 64 << 20  # bytes a row may leave behind (the allocator's own bookkeeping)
+
+
+def device_memory() -> int:
+    """Bytes the CUDA allocator holds for tensors now (0 without CUDA)."""
+    return (
+        sum(torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count()))
+        if torch.cuda.is_available()
+        else 0
+    )
+
+
+def free_row_memory() -> int:
+    """Frees what the finished row left (its engine's cycles collected, the allocator's cache
+    emptied); returns device_memory() after."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return device_memory()
+
+
 # The baseline issue 19's target compares tokencache with, per workload: run right after it.
 TARGET_BASELINE = {"shared-prompt": "naive", "reasoning": "naive-sglang"}
 
@@ -215,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     t_start = time.perf_counter()
+    baseline = device_memory()  # the models alone: every row must leave the device so
+    result["baseline_memory_bytes"] = baseline
     n = a.requests_per_slot * a.max_running
     rows: list[bench.Row] = []
     if a.system_tokens is not None:  # reasoning: one shape, whatever --contexts says
@@ -259,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         finally:
             a.no_overlap = False
+            left = free_row_memory()  # the row's engine, pools and graphs gone
         took[system] = time.perf_counter() - t_row
         longest = max(longest, took[system])
         row.system = name
@@ -266,11 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         d = dataclasses.asdict(row)
         d |= {"dispatch": system, "batch": a.max_running, "overlap": row.extra.get("overlap")}
         d["row_s"] = time.perf_counter() - t_row
+        # Clean: what the device holds after the row against the models alone (a leak would
+        # crowd the next row, as it once ran the 32B bounds out of memory).
+        d["memory_left_bytes"] = left - baseline
+        d["memory_clean"] = left - baseline <= MEMORY_SLACK
         result["rows"].append(d)
         print(json.dumps(d), flush=True)
         write(result, a)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     result["wall_s"] = time.perf_counter() - t_start
     write(result, a)
     print()

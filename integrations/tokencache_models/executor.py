@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,10 +33,12 @@ import torch
 from .batch import ForwardBatch
 from .context import (
     DEFAULT_DECODE_BUCKETS,
+    KV_CHUNK,
     ForwardContext,
     ForwardOutput,
     HostBatch,
     decode_bucket,
+    decode_kv_width,
 )
 from .epilogue import Epilogue
 from .extend_graphs import (
@@ -46,11 +49,13 @@ from .extend_graphs import (
 )
 from .graphs import DecodeGraphRunner, ForwardBody, StaticStep
 from .kv_pool import KVPool
+from .prefix_groups import MAX_PREFIX_GROUPS
 from .prefix_plan import PrefixShape
 
 if TYPE_CHECKING:
     from .attention import TorchPagedAttention
     from .parallel import TPGroup
+    from .slot_table import SlotTable
 
 
 class TPHooks(Protocol):
@@ -192,6 +197,38 @@ class ModelExecutor:
         if not (self.decode_graphs and self.pads_decode()):
             return None
         return self.graph_runner(pool, self.model.attention(attention_backend))
+
+    @torch.inference_mode()
+    def warm_up(
+        self,
+        pool: KVPool,
+        epilogue: Epilogue | None = None,
+        table: SlotTable | None = None,
+        max_rows: int | None = None,
+        max_tokens: int | None = None,
+        max_context: int = 1,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Makes every graph the forwards over `pool` can replay, before they come: decode
+        steps of up to max_rows rows (every bucket, every shared-prefix group count) and
+        multi-token forwards of up to max_rows rows and max_tokens tokens, with the epilogue
+        the steps will ask for, over the slot table they will read (its storage reserved
+        first: SlotTable.reserve); the torch path at every gather width up to max_context.
+        Each graph's warm-up run is its Triton compiles. Off CUDA (runners' static paths
+        switched on) each key's static path runs once. Returns the number of keys made warm;
+        the runners' cold_runs count the forwards that come outside them."""
+        backend = self.model.attention()
+        widths = [KV_CHUNK << k for k in range(decode_kv_width(max_context).bit_length())]
+        widths = [w for w in widths if w <= decode_kv_width(max_context)]
+        decode = self.prepare_runner(pool)
+        extend = self.extend_graph_runner(pool, backend)
+        if decode is not None:
+            decode.capture_all(
+                widths, MAX_PREFIX_GROUPS, epilogue, table, max_rows, progress=progress
+            )
+        if extend is not None:
+            extend.capture_all(epilogue, table, max_rows, max_tokens, widths, progress)
+        return sum(len(r.warm_keys) for r in (decode, extend) if r is not None)
 
     def runners(self, pool: KVPool) -> list[DecodeGraphRunner]:
         """The decode graph runners made over `pool` so far."""

@@ -6,11 +6,11 @@ runner replays it from a CUDA graph instead, as the decode runner (graphs.py) do
 
 Buckets: a graph per (rows, tokens, q_width), not per (rows x width). The GEMMs cost what the
 tokens are (by an H200's specifications a bf16 forward turns compute-bound near 160 tokens, a
-projection), so the token
-count is bucketed on its own (DEFAULT_EXTEND_TOKENS) rather than as rows x width, which would
-pad 10 x 10 tokens to 16 x 16 = 256. q_width (a power of two >= MIN_Q_WIDTH, at least the
-longest row's new tokens) sizes the attention kernel's grid; rows come from the decode-style
-row buckets. A step is laid out as:
+projection), so the token count is bucketed on its own (DEFAULT_EXTEND_TOKENS) rather than as
+rows x width, which would pad 10 x 10 tokens to 16 x 16 = 256. q_width (DEFAULT_EXTEND_Q_WIDTHS:
+at least the longest row's new tokens) sizes the attention kernel's grid: few, coarse values,
+since a wider one only adds programs that end at once; rows come from row buckets. The keys
+are few enough to capture them all up front (capture_all). A step is laid out as:
 
 - its real rows first, their tokens, positions, out slots and slot-list ranges as they are;
 - the padding tokens (tokens bucket - real tokens) after them, in padding rows of at most
@@ -20,14 +20,17 @@ row buckets. A step is laid out as:
 
 So padding never writes a live slot, and real rows read exactly what they read eagerly. The
 varlen metadata (q offsets, row starts and lengths, last tokens) is read from device buffers
-filled in one copy per step; the Triton kernel's grid comes from the key (rows, q_width) and its
-split-KV count is part of the key (rounded down to a power of two from the host facts), so no
-host synchronisation happens inside. The torch backend builds one padded group on the device
+filled in one copy per step; the Triton kernel's grid and its split-KV count come from the key
+(rows, q_width: what an eager launch over that many rows chooses at a long context, rounded up
+to a power of two; a short context leaves some splits empty), so no host synchronisation
+happens inside. The torch backend builds one padded group on the device
 (attention.TorchPagedAttention._static_tables) and keys its graphs by the gather width too.
 
-Shapes outside the buckets (more tokens or rows than the largest bucket, a slot list over the
-buffer) run eagerly; so do multi-token forwards whose rows share a prefix that the shared-prefix
-kernel would read once: the graph reads each row's whole slot list (correct, more KV traffic).
+Shapes outside the buckets (more tokens, rows or new tokens a row than the largest bucket, a
+slot list over the buffer) run eagerly: no graph broken at attention, so they pay the eager
+launch cost. Rows that share a prefix are graphed too, each reading its whole slot list: the
+shared-prefix kernel, which reads such a prefix once, runs in eager multi-token forwards only
+(more KV traffic than it, far less time than an eager forward's launches).
 The epilogue (greedy tokens, entropy, the router's answer) is captured in the graph, as for
 decode. Off CUDA the same static path runs without the capture (use_graphs=False): that is what
 the tests compare with eager.
@@ -36,7 +39,7 @@ the tests compare with eager.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +47,7 @@ import numpy as np
 import torch
 
 from .context import (
+    KV_CHUNK,
     ForwardContext,
     ForwardOutput,
     HostBatch,
@@ -59,9 +63,12 @@ if TYPE_CHECKING:
     from .kv_pool import KVPool
     from .slot_table import SlotTable
 
-DEFAULT_EXTEND_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-DEFAULT_EXTEND_TOKENS: tuple[int, ...] = (16, 32, 64, 96, 128, 192, 256, 384, 512)
-MIN_Q_WIDTH = 8
+# Rows up to the engine's default admissions (max_running + max_parked = 64) with their padding
+# rows; tokens up to its default chunked-prefill budget (2048): every forward of a default
+# engine fits.
+DEFAULT_EXTEND_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_EXTEND_TOKENS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+DEFAULT_EXTEND_Q_WIDTHS: tuple[int, ...] = (16, 64, 512, 2048)
 
 # (rows, tokens, q_width, gather width (torch) or 0, splits (Triton) or 0, slot source, epilogue)
 ExtendKey = tuple[int, int, int, int, int, int, Epilogue | None]
@@ -73,15 +80,6 @@ class ExtendStep:
 
     num_real: int
     key: ExtendKey
-
-
-def q_width_of(max_q_len: int) -> int:
-    """The q_width a row of max_q_len new tokens is padded to: a power of two >= MIN_Q_WIDTH."""
-    return max(MIN_Q_WIDTH, 1 << (max(1, max_q_len) - 1).bit_length())
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
 
 
 class ExtendGraphRunner:
@@ -97,13 +95,15 @@ class ExtendGraphRunner:
         tokens: Sequence[int] = DEFAULT_EXTEND_TOKENS,
         kv_capacity: int | None = None,
         use_graphs: bool | None = None,
+        q_widths: Sequence[int] = DEFAULT_EXTEND_Q_WIDTHS,
     ) -> None:
-        if not rows or min(rows) < 1 or not tokens or min(tokens) < 1:
+        if any(not b or min(b) < 1 for b in (rows, tokens, q_widths)):
             raise ValueError("extend buckets must be non-empty lists of positive sizes")
         self._pool = weakref.ref(pool)  # as DecodeGraphRunner: the pool owns its runners
         self.model, self.backend = model, backend
         self.row_buckets = tuple(sorted(set(rows)))
         self.token_buckets = tuple(sorted(set(tokens)))
+        self.q_widths = tuple(sorted(set(q_widths)))
         self.max_rows, self.max_tokens = self.row_buckets[-1], self.token_buckets[-1]
         device = model.device
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
@@ -144,6 +144,10 @@ class ExtendGraphRunner:
         self._mempool: Any = None
         self.replays = 0  # forwards served by a graph (tests and benches read it)
         self.captures = 0  # graphs captured so far
+        # Warm-up (capture_all): the keys made ready, and the steps since that came outside
+        # them (a capture, or on CUDA a compile, while serving).
+        self.warm_keys: set[ExtendKey] = set()
+        self.cold_runs = 0
 
     @property
     def pool(self) -> KVPool:
@@ -157,9 +161,9 @@ class ExtendGraphRunner:
     def shape(self, hb: HostBatch) -> tuple[int, int, int] | None:
         """(rows, tokens, q_width) of hb's static layout, or None when it fits no bucket."""
         tokens = decode_bucket(len(hb.token_ids), self.token_buckets)
-        if tokens is None:
+        q_width = decode_bucket(int(hb.q_lens.max()), self.q_widths)
+        if tokens is None or q_width is None:
             return None
-        q_width = q_width_of(int(hb.q_lens.max()))
         pad = tokens - len(hb.token_ids)
         rows = decode_bucket(hb.num_requests + -(-pad // q_width), self.row_buckets)
         if rows is None:
@@ -179,9 +183,9 @@ class ExtendGraphRunner:
             return hb.table.device == self._tokens.device and shape[2] <= hb.table.flat_host.size
         return max(len(hb.kv_slots), shape[2]) <= self.kv_capacity
 
-    def _splits(self, rows: int, q_width: int, kv_total: int) -> int:
-        """The Triton varlen kernel's split count for this layout (what it would choose for
-        the real rows' slots), rounded down to a power of two: a key with few values."""
+    def _splits(self, rows: int, q_width: int) -> int:
+        """The Triton varlen kernel's split count for a key: what an eager launch over `rows`
+        rows of q_width tokens chooses at a long context, rounded up to a power of two."""
         if not self.triton:
             return 0
         from .triton_splitkv import kv_block
@@ -194,11 +198,11 @@ class ExtendGraphRunner:
             q_width,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
-            kv_total,
+            rows * (1 << 20),  # long enough that the context caps nothing
             block,
             block,
         )[3]
-        return _pow2_floor(splits)
+        return 1 << (splits - 1).bit_length()
 
     # -- a step --------------------------------------------------------------------------
 
@@ -223,7 +227,7 @@ class ExtendGraphRunner:
         kv_lens = np.concatenate((hb.kv_lens, pad_lens, np.ones(empty, np.int64)))
         source = self._slot_source(hb.table)
         width = decode_kv_width(int(kv_lens.max())) if self.width_keyed else 0
-        splits = self._splits(rows, q_width, int(hb.kv_lens.sum()))
+        splits = self._splits(rows, q_width)
         host = self._host[self._next_staging]
         at, scratch = self._starts, self.pool.scratch_slot
         host[at[0] : at[0] + tokens] = 0  # padding tokens: token 0 at position 0, scratch
@@ -318,22 +322,115 @@ class ExtendGraphRunner:
     @torch.inference_mode()
     def execute(self, step: ExtendStep) -> ForwardOutput:
         """The step's device work: the graph's replay (or the static path run eagerly)."""
+        if self.warm_keys and step.key not in self.warm_keys:
+            self.cold_runs += 1
         if self.use_graphs:
-            entry = self._graphs.get(step.key)
-            if entry is None:
-                if self._mempool is None:
-                    self._mempool = torch.cuda.graph_pool_handle()
-                entry = self._graphs[step.key] = capture_graph(
-                    lambda: self._body(*step.key), self._mempool
-                )
-                self.captures += 1
-            graph, out = entry
+            graph, out = self._graphs.get(step.key) or self._capture(step.key)
             graph.replay()
             self.replays += 1
         else:
             out = self._body(*step.key)
         b = step.num_real
         return out.each(lambda t: t[:b].clone())  # copies: the next replay overwrites them
+
+    def shapes(
+        self, max_rows: int | None = None, max_tokens: int | None = None
+    ) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens, q_width) that a step of at most max_rows real rows and
+        max_tokens tokens (default: all that fit) is laid out as, largest first."""
+        r_cap = max_rows or self.max_rows
+        t_cap = min(max_tokens or self.max_tokens, self.max_tokens)
+        out = set()
+        # shape() of every step: r real rows whose longest has a q_width's worth, t tokens in
+        # all, then its padding rows; enumerated over t rather than derived, so that no
+        # reachable key is missed (r + padding rows is an interval: every bucket it touches).
+        for t in range(1, t_cap + 1):
+            tokens = decode_bucket(t, self.token_buckets)
+            assert tokens is not None
+            for q_width in self.q_widths:
+                below = [w for w in self.q_widths if w < q_width]
+                longest = below[-1] + 1 if below else 1  # the least that needs this q_width
+                lo, hi = -(-t // q_width), min(t - longest + 1, r_cap)
+                if lo > hi:
+                    continue
+                pad_rows = -(-(tokens - t) // q_width)
+                first = decode_bucket(lo + pad_rows, self.row_buckets)
+                for rows in self.row_buckets:
+                    if (
+                        first is not None
+                        and first <= rows
+                        and (rows == first or self._below(rows) < hi + pad_rows)
+                    ):
+                        out.add((rows, tokens, q_width))
+        return sorted(out, reverse=True)
+
+    def _below(self, rows: int) -> int:
+        """The row bucket below `rows` (0 for the first)."""
+        smaller = [r for r in self.row_buckets if r < rows]
+        return smaller[-1] if smaller else 0
+
+    @torch.inference_mode()
+    def capture_all(
+        self,
+        epilogue: Epilogue | None = None,
+        table: SlotTable | None = None,
+        max_rows: int | None = None,
+        max_tokens: int | None = None,
+        widths: Sequence[int] = (KV_CHUNK,),
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Captures the graph of every key (shapes(max_rows, max_tokens)), largest first so the
+        smaller ones reuse its pool memory, over the slot table the steps will read (None: the
+        runner's own buffer) with the epilogue they will ask for; torch-path graphs once per
+        given gather width. Each runs on padding alone (rows read entries [0, n) of the buffer
+        and write only the scratch slot). Off CUDA (use_graphs False) each key's static path
+        runs once instead. Either way the keys count as warm from now on (cold_runs counts
+        the steps that come outside them). progress(done, total) after each. Returns the
+        number of graphs held."""
+        source = self._slot_source(table)
+        shapes = self.shapes(max_rows, max_tokens)
+        keys = [
+            (rows, tokens, q_width, w, self._splits(rows, q_width), source, epilogue)
+            for w in (widths if self.width_keyed else (0,))
+            for rows, tokens, q_width in shapes
+        ]
+        for i, key in enumerate(keys):
+            if key not in self._graphs:
+                self._load_padding(*key[:3])
+                if self.use_graphs:
+                    self._capture(key)
+                else:
+                    self._body(*key)
+            self.warm_keys.add(key)
+            if progress is not None:
+                progress(i + 1, len(keys))
+        return len(self._graphs)
+
+    def _load_padding(self, rows: int, tokens: int, q_width: int) -> None:
+        """The buffers as a step of padding rows alone (q_width tokens each, as many rows as
+        the tokens fill, empty rows after)."""
+        full, rest = divmod(tokens, q_width)
+        lens = [q_width] * full + ([rest] if rest else [])
+        q_lens = np.array(lens + [0] * (rows - len(lens)), np.int64)
+        q_offsets = np.concatenate(([0], np.cumsum(q_lens)))
+        host, at = self._host[self._next_staging], self._starts
+        host[at[0] : at[0] + tokens] = 0
+        host[at[1] : at[1] + tokens] = 0
+        host[at[2] : at[2] + tokens] = self.pool.scratch_slot
+        host[at[3] : at[3] + rows + 1] = q_offsets
+        host[at[4] : at[4] + rows] = 0
+        host[at[5] : at[5] + rows] = np.maximum(q_lens, 1)
+        host[at[6] : at[6] + rows] = q_offsets[1:] - 1
+        if self._staging:
+            self._inputs.copy_(self._staging[self._next_staging], non_blocking=True)
+            self._next_staging ^= 1
+
+    def _capture(self, key: ExtendKey) -> tuple[Any, ForwardOutput]:
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        entry = self._graphs[key] = capture_graph(lambda: self._body(*key), self._mempool)
+        self.captures += 1
+        return entry
 
     @torch.inference_mode()
     def run(self, hb: HostBatch, epilogue: Epilogue | None = None) -> ForwardOutput:

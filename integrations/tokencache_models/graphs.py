@@ -221,6 +221,10 @@ class DecodeGraphRunner:
         self._mempool: Any = None
         self.replays = 0  # decode steps served by a graph (tests and benches read it)
         self.captures = 0  # graphs captured so far
+        # Warm-up (capture_all): the keys made ready, and the steps since that came outside
+        # them (a capture, or on CUDA a compile, while serving).
+        self.warm_keys: set[GraphKey] = set()
+        self.cold_runs = 0
 
     @property
     def pool(self) -> KVPool:
@@ -396,6 +400,8 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def execute(self, step: StaticStep) -> ForwardOutput:
         """The step's device work: the graph's replay (or the static path run eagerly)."""
+        if self.warm_keys and step.key not in self.warm_keys:
+            self.cold_runs += 1
         if self.use_graphs:
             graph, out = self._graphs.get(step.key) or self._capture(*step.key)
             graph.replay()
@@ -451,21 +457,37 @@ class DecodeGraphRunner:
         widths: Sequence[int] = (KV_CHUNK,),
         max_groups: int = 1,
         epilogue: Epilogue | None = None,
+        table: SlotTable | None = None,
+        max_rows: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> int:
-        """Captures every bucket (largest first, so smaller graphs reuse its pool memory); the
-        torch path once per given gather width; without the shared-prefix kernel and, when the
-        backend has one, with it for 1..max_groups groups (more groups are captured on first
-        use); each with the given epilogue (the one the steps will ask for). Returns the
-        number of graphs held."""
-        if not self.use_graphs:
-            raise ValueError("capture_all needs use_graphs")
+        """Captures every bucket up to max_rows' (largest first, so smaller graphs reuse its
+        pool memory); the torch path once per given gather width; without the shared-prefix
+        kernel and, when the backend has one, with it for 1..max_groups groups (more groups
+        are captured on first use); each with the given epilogue (the one the steps will ask
+        for), over the slot table the steps will read (None: the runner's own buffer).
+        Off CUDA (use_graphs False) each key's static path runs once instead: the warm-up
+        without a capture. Either way the keys count as warm from now on (cold_runs counts the
+        steps that come outside them). progress(done, total) after each. Returns the number of
+        graphs held."""
         self._reset()
+        source = self._slot_source(table)
         shares = self.backend.shares_prefix
-        for groups in range(min(max_groups, MAX_PREFIX_GROUPS) + 1 if shares else 1):
-            for w in widths if self.width_keyed else widths[:1]:
-                for rows in reversed(self.buckets):
-                    if rows < 2 * groups:
-                        continue  # a group holds two rows at least
-                    if self._key(rows, w, groups, 0, epilogue) not in self._graphs:
-                        self._capture(rows, w, groups, 0, epilogue)
+        top = self.bucket(max_rows or self.max_rows) or self.max_rows
+        keys = [
+            self._key(rows, w, groups, source, epilogue)
+            for groups in range(min(max_groups, MAX_PREFIX_GROUPS) + 1 if shares else 1)
+            for w in (widths if self.width_keyed else widths[:1])
+            for rows in reversed(self.buckets)
+            if rows <= top and rows >= 2 * groups  # a group holds two rows at least
+        ]
+        for i, key in enumerate(keys):
+            if key not in self._graphs:
+                if self.use_graphs:
+                    self._capture(*key)
+                else:
+                    self._body(*key)
+            self.warm_keys.add(key)
+            if progress is not None:
+                progress(i + 1, len(keys))
         return len(self._graphs)

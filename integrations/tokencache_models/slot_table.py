@@ -115,6 +115,14 @@ class SlotTable:
         """Flat index of each row's first entry: the kernels' per-row slot-list start."""
         return rows * self.width
 
+    def reserve(self, rows: int, width: int) -> None:
+        """Storage for at least `rows` rows of `width` slots (capped at max_width) now, in one
+        move: serving within them never moves it again, so CUDA graphs captured over it (which
+        hold its address) stay valid."""
+        rows, width = max(rows, self.rows), min(max(width, self.width), self.max_width)
+        if rows > self.rows or width > self.width:
+            self._allocate(rows, width)
+
     def _fit(self, length: int) -> None:
         if length > self.width:
             if length > self.max_width:

@@ -22,10 +22,12 @@ queue, charging only what the device waits for (README: "Overlapped scheduling")
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +71,44 @@ from .tp_launch import engine_large
 
 _POLL_S = 0.02
 _log = logging.getLogger("tokencache_routing")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    """What RoutedEngine.warm_up made: graph keys made warm (captured on CUDA, their static
+    path run once off it), the seconds it took, and the device memory it reserved (bytes)."""
+
+    keys: int
+    seconds: float
+    memory_bytes: int
+
+
+class _WarmUpBar:
+    """progress(done, total) onto a tqdm bar whose total grows with each runner's keys."""
+
+    def __init__(self, desc: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=0, desc=f"warm-up {desc}", unit="graph", file=sys.stderr)
+        self.base = self.last = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == 1:  # a runner's first key: its keys add to the total
+            self.base += self.last
+            self.bar.total = self.base + total
+        self.last = done
+        self.bar.n = self.base + done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _warm_up_bar(desc: str) -> _WarmUpBar | None:
+    try:
+        return _WarmUpBar(desc)
+    except ImportError:  # tqdm is the bench/serve extras'
+        return None
 
 
 class RoutedEngine:
@@ -274,6 +314,58 @@ class RoutedEngine:
         with self.sched.lock:
             idle = not self.sched.has_work()
             return idle and all(s.idle_invariant() for s in self.sides)
+
+    def warm_up(self, progress: bool = False) -> WarmUp:
+        """Makes, before any request, every CUDA graph the engine's forwards can replay and
+        runs each once (its Triton compiles), as a server does before it listens: each side's
+        slot table reserved for max_admitted requests of max_context slots (graphs hold its
+        address), then the decode graphs of up to max_admitted rows and the multi-token
+        graphs of up to max_admitted rows and the side's chunked-prefill budget, with the
+        epilogue each side's steps ask for (the small side's for the current router). After
+        it, a forward within those limits captures and compiles nothing (the runners'
+        cold_runs stay 0). Off CUDA it runs each graph's static path once where the model's
+        executor has its runners switched on, and does nothing otherwise. A tensor-parallel
+        large model is left cold (its worker ranks would have to capture alongside).
+        progress: a tqdm bar per side on stderr (when tqdm is installed)."""
+        t0 = time.perf_counter()
+        cfg = self.sched.cfg
+        keys = 0
+        cuda = [s.model.device for s in self.sides if s.model.device.type == "cuda"]
+        before = sum(torch.cuda.memory_reserved(d) for d in cuda)
+        for kind, side in enumerate(self.sides):
+            model = side.model
+            if not isinstance(model, CausalLM) or model.tp is not None:
+                continue
+            side.table.reserve(cfg.max_admitted + 1, self.max_context)
+            budget = cfg.token_budget(kind)
+            bar = _warm_up_bar(side.name) if progress else None
+            try:
+                keys += model.executor.warm_up(
+                    side.pool,
+                    side.epilogue(self.router if kind == SMALL else None),
+                    side.table,
+                    cfg.max_admitted,
+                    budget or None,
+                    self.max_context,
+                    bar,
+                )
+            finally:
+                if bar is not None:
+                    bar.close()
+        for d in cuda:
+            torch.cuda.synchronize(d)
+        after = sum(torch.cuda.memory_reserved(d) for d in cuda)
+        return WarmUp(keys, time.perf_counter() - t0, after - before)
+
+    def cold_runs(self) -> int:
+        """Forwards that came outside every warmed graph key since warm_up (0 before it)."""
+        total = 0
+        for s in self.sides:
+            if isinstance(s.model, CausalLM):
+                executor = s.model.executor
+                total += sum(r.cold_runs for r in executor.runners(s.pool))
+                total += sum(r.cold_runs for r in executor.extend_runners(s.pool))
+        return total
 
     @property
     def closed(self) -> bool:

@@ -16,10 +16,11 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from . import DEFAULT_MODEL_NAME
 from .apikey import API_KEY_ENV, api_key
+from .placement import DEFAULT_MEM_FRACTION
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from .kv_events import KVEventsConfig
 
 log = logging.getLogger("tokencache_serve")
+CPU_SLOTS = 8192  # KV slots of each pool on the CPU when --num-slots is not given
 
 DESCRIPTION = "tokencache: OpenAI-compatible serving of two-model token routing"
 
@@ -53,7 +55,18 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
         help="layers of the large model used as the small one when --small is not given",
     )
     m.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the large model's)")
-    m.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    m.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where the models load")
+    m.add_argument(
+        "--small-device",
+        default=None,
+        help="the small model's device (default: --device), e.g. cuda:0",
+    )
+    m.add_argument(
+        "--large-device",
+        default=None,
+        help="the large model's device (default: --device), e.g. cuda:1: two GPUs, the models "
+        "running at once (each KV pool on its model's GPU)",
+    )
     m.add_argument(
         "--large-tp",
         type=int,
@@ -76,8 +89,23 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
         "neural:PATH (default entropy:0.5)",
     )
     e.add_argument("--max-running", type=int, default=32, help="requests decoding at once")
-    e.add_argument("--num-slots", type=int, default=8192, help="KV pool slots (small model)")
+    e.add_argument(
+        "--num-slots",
+        type=int,
+        default=None,
+        help="KV pool slots (small model); default: on a GPU from its memory "
+        "(--mem-fraction-static), on the CPU 8192",
+    )
     e.add_argument("--large-num-slots", type=int, default=None, help="default: --num-slots")
+    e.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=DEFAULT_MEM_FRACTION,
+        metavar="F",
+        help="on a GPU, the share of its memory for the weights and the KV pools (the rest: "
+        "activations, CUDA graphs); the pools get what the weights leave of it "
+        f"(default {DEFAULT_MEM_FRACTION}, as SGLang's --mem-fraction-static)",
+    )
     e.add_argument("--min-large-batch", type=int, default=1, help="catch-up batch trigger")
     e.add_argument("--max-wait-steps", type=int, default=0, help="catch-up delay (small steps)")
     e.add_argument(
@@ -112,6 +140,22 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
         default="events",
         choices=["events", "threaded"],
         help="engine mode: events (deterministic) or threaded (one worker per model)",
+    )
+    e.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="skip the warm-up before listening (RoutedEngine.warm_up: every CUDA graph the "
+        "engine can replay captured and every kernel it launches compiled, so that no request "
+        "pays for them); for tests and quick starts",
+    )
+    e.add_argument(
+        "--triton-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="where Triton keeps its compiled kernels across restarts (sets TRITON_CACHE_DIR; "
+        "default: $TRITON_CACHE_DIR, else Triton's ~/.triton/cache). A restart with a warm "
+        "cache compiles nothing; delete the directory to clear it",
     )
 
     s = ap.add_argument_group("server")
@@ -338,9 +382,42 @@ def check_limits(a: argparse.Namespace) -> None:
         raise ValueError("--max-connections must be >= 1")
 
 
+def pool_sizes(
+    a: argparse.Namespace,
+    small: Any,
+    large: Any,
+    small_device: Any,
+    large_device: Any,
+) -> tuple[int, int | None]:
+    """(--num-slots, --large-num-slots), the unset ones from the GPU's memory
+    (placement.kv_slots) when a model is on CUDA, else the CPU default (8192, the same)."""
+    from tokencache_models import KVPool
+
+    from .placement import PoolNeed, kv_slots
+
+    if a.num_slots is not None and (a.large_num_slots is not None or a.large_tp > 1):
+        return a.num_slots, a.large_num_slots
+    on_cuda = small_device.type == "cuda" or (large_device.type == "cuda" and a.large_tp == 1)
+    if not on_cuda:
+        return a.num_slots or CPU_SLOTS, a.large_num_slots
+    needs = [PoolNeed("small", small_device, KVPool.bytes_per_slot(small.config, small.dtype))]
+    if a.large_tp == 1:  # a tensor-parallel large model's pool is its ranks': given or default
+        large_bytes = KVPool.bytes_per_slot(large.config, large.dtype)
+        needs.append(PoolNeed("large", large_device, large_bytes))
+    slots = kv_slots(needs, a.mem_fraction_static)
+    log.info("KV pools from device memory: %s", slots)
+    n_small = a.num_slots if a.num_slots is not None else slots["small"]
+    n_large = a.large_num_slots if a.large_num_slots is not None else slots.get("large")
+    return n_small, n_large
+
+
 def build_app(a: argparse.Namespace) -> Starlette:
-    """Models, router, engine and app from `serve` arguments (the engine starts with the app)."""
+    """Models, router, engine and app from `serve` arguments (the engine starts with the app),
+    the engine warmed up unless --no-warm-up: the server listens (and /health answers) only
+    once nothing is left to capture or compile."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.triton_cache_dir:  # before anything imports triton
+        os.environ["TRITON_CACHE_DIR"] = os.path.expanduser(a.triton_cache_dir)
     import torch
 
     from tokencache_routing import RoutedEngine
@@ -376,12 +453,19 @@ def build_app(a: argparse.Namespace) -> Starlette:
     )
     log.info("loaded %s", models.description)
     tp = {"large_tp": a.large_tp} if a.large_tp > 1 else {}
+    small_device = torch.device(a.small_device or a.device)
+    large_device = torch.device(a.large_device or a.device)
+    # Each model on its device first: the pools are sized from what its weights leave there.
+    small_model = models.small.to(small_device)
+    large = models.large  # a shard factory under --large-tp: its ranks load it themselves
+    large_model = large.to(large_device) if isinstance(large, torch.nn.Module) else large
+    num_slots, large_num_slots = pool_sizes(a, small_model, large_model, small_device, large_device)
     engine = RoutedEngine(
-        models.small,
-        models.large,
-        parse_router(a.router, models.small),
-        num_slots=a.num_slots,
-        large_num_slots=a.large_num_slots,
+        small_model,
+        large_model,
+        parse_router(a.router, small_model),
+        num_slots=num_slots,
+        large_num_slots=large_num_slots,
         scheduler=scheduler,
         tokenizer=models.tokenizer,
         eos_token_id=models.tokenizer.eos_token_id,
@@ -389,6 +473,14 @@ def build_app(a: argparse.Namespace) -> Starlette:
         kv_events=config.kv_events is not None and config.kv_events.publisher != "null",
         **tp,
     )
+    if a.warm_up:
+        done = engine.warm_up(progress=True)
+        log.info(
+            "warmed up: %d graph keys in %.1f s, %.0f MiB of device memory",
+            done.keys,
+            done.seconds,
+            done.memory_bytes / 2**20,
+        )
     return create_app(engine, models.tokenizer, config)
 
 

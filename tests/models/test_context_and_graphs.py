@@ -215,8 +215,13 @@ def test_graph_runner_fallbacks_and_switches() -> None:
     assert not runner.fits(HostBatch.from_batch(long))  # slot list over kv_capacity
     with pytest.raises(ValueError):
         runner.run(HostBatch.from_batch(long))
-    with pytest.raises(ValueError):
-        runner.capture_all()
+    # Off CUDA, capture_all runs each key's static path once (the warm-up without capture):
+    # the keys are warm from then on, and a step outside them counts as a cold run.
+    assert runner.capture_all(max_rows=2) == 0 and runner.captures == 0
+    assert {k[0] for k in runner.warm_keys} == {1, 2} and runner.cold_runs == 0
+    four = ForwardBatch.from_requests([[1]] * 3, [a[:2]] * 3, [pool.alloc(1) for _ in range(3)])
+    runner.run(HostBatch.from_batch(four))  # the 4-row bucket: not warmed
+    assert runner.cold_runs == 1
     with pytest.raises(ValueError):
         DecodeGraphRunner(model, pool, model.attention(), (2,), use_graphs=True)  # CPU model
     with pytest.raises(ValueError):

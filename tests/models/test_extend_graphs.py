@@ -17,12 +17,7 @@ from hypothesis import strategies as st
 from tokencache_models import QWEN3_0_6B, CausalLM, ForwardBatch, KVPool, random_model
 from tokencache_models.context import HostBatch
 from tokencache_models.epilogue import Epilogue
-from tokencache_models.extend_graphs import (
-    DEFAULT_EXTEND_TOKENS,
-    MIN_Q_WIDTH,
-    ExtendGraphRunner,
-    q_width_of,
-)
+from tokencache_models.extend_graphs import DEFAULT_EXTEND_TOKENS, ExtendGraphRunner
 from tokencache_models.slot_table import SlotTable
 
 CFG = dataclasses.replace(
@@ -211,7 +206,6 @@ def test_buckets_and_fallbacks(model: CausalLM) -> None:
     pool = model.make_kv_pool(2048)
     runner = ExtendGraphRunner(model, pool, model.attention(), rows=(1, 2, 4), tokens=(16, 32))
     assert not runner.use_graphs  # a CPU model
-    assert q_width_of(1) == MIN_Q_WIDTH and q_width_of(9) == 16 and q_width_of(16) == 16
     a = pool.alloc(40)
 
     def hb(new: list[int], prefix: int = 4) -> HostBatch:
@@ -221,9 +215,10 @@ def test_buckets_and_fallbacks(model: CausalLM) -> None:
             )
         )
 
-    assert runner.shape(hb([3, 5])) == (4, 16, 8)  # 8 tokens + a padding row of 8
-    assert runner.shape(hb([8, 8])) == (2, 16, 8)  # exactly the bucket: no padding row
+    assert runner.shape(hb([3, 5])) == (4, 16, 16)  # 8 tokens + a padding row of 8
+    assert runner.shape(hb([8, 8])) == (2, 16, 16)  # exactly the bucket: no padding row
     assert runner.shape(hb([10, 10])) == (4, 32, 16)  # 12 padding tokens: one row of 12
+    assert runner.shape(hb([17, 2])) == (4, 32, 64)  # a row of 17 tokens: q_width 64
     assert not runner.fits(hb([20, 20]))  # 40 tokens: over the largest token bucket
     assert not runner.fits(hb([1, 1, 1, 1]))  # 4 rows + a padding row: over the row buckets
     assert not runner.fits(hb([1, 1, 1, 1, 1]))
@@ -236,13 +231,13 @@ def test_buckets_and_fallbacks(model: CausalLM) -> None:
         ExtendGraphRunner(model, pool, model.attention(), tokens=())
     with pytest.raises(ValueError):
         ExtendGraphRunner(model, pool, model.attention(), use_graphs=True)  # a CPU model
-    assert DEFAULT_EXTEND_TOKENS[-1] == 512
+    assert DEFAULT_EXTEND_TOKENS[-1] == 2048  # the default chunked-prefill budget
 
 
 def test_the_executor_routes_and_counts_forwards_by_path() -> None:
     model = random_model(CFG, seed=0, std=0.2, attention_backend="torch")
     executor = model.executor
-    pool = model.make_kv_pool(2048)
+    pool = model.make_kv_pool(4096)
     a, b = pool.alloc(20), pool.alloc(5)
     prefill = ForwardBatch.from_requests([_tokens(20, 1)], [[]], [a])
     # Off CUDA: eager unless the static path is asked for; no runner made.
@@ -254,7 +249,7 @@ def test_the_executor_routes_and_counts_forwards_by_path() -> None:
     out = model(catchup, pool)
     (runner,) = executor.extend_runners(pool)
     assert executor.forwards["extend static"] == 1
-    big = ForwardBatch.from_requests([_tokens(600, 3)], [[]], [pool.alloc(600)])
+    big = ForwardBatch.from_requests([_tokens(2100, 3)], [[]], [pool.alloc(2100)])
     model(big, pool)  # over the largest token bucket: eager
     assert executor.forwards["extend eager"] == 2
     step = model.prepare(catchup, pool)
@@ -329,3 +324,30 @@ def test_triton_static_extend_equals_eager_in_interpreter() -> None:
         timeout=600,
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(q_lens=st.lists(st.integers(1, 520), min_size=1, max_size=70), cap=st.integers(1, 70))
+def test_every_step_shape_is_a_key_captured_up_front(q_lens: list[int], cap: int) -> None:
+    """shapes() holds the shape of every step that fits (what capture_all captures, so a
+    warmed-up runner never captures while serving), and only keys within the caps."""
+    model = random_model(CFG, seed=0, std=0.2, attention_backend="torch")
+    runner = ExtendGraphRunner(model, model.make_kv_pool(8), model.attention(), use_graphs=False)
+    total = sum(q_lens)
+    hb = HostBatch(
+        token_ids=np.zeros(total, np.int64),
+        positions=np.zeros(total, np.int64),
+        out_slots=np.zeros(total, np.int64),
+        q_offsets=np.concatenate(([0], np.cumsum(q_lens))),
+        kv_slots=np.zeros(1, np.int64),
+        kv_starts=np.zeros(len(q_lens), np.int64),
+        kv_lens=np.asarray(q_lens, np.int64),
+        num_real=len(q_lens),
+    )
+    shape = runner.shape(hb)
+    if shape is None:
+        return
+    assert shape in runner.shapes()
+    if len(q_lens) <= cap:
+        assert shape in runner.shapes(max_rows=cap, max_tokens=total)
+    assert all(k[1] <= max(16, 2 * total) for k in runner.shapes(cap, total))
