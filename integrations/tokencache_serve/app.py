@@ -547,12 +547,13 @@ class Server:
         self._check_prompt_len(prompt_len, prompt_param)
         limit = self.max_context
         asked = params.max_tokens
+        name = params.max_tokens_param  # max_tokens, or the chat's max_completion_tokens
         cap = self.config.max_tokens_limit  # beyond the context: the context's own message
         if cap is not None and asked is not None and cap < asked and prompt_len + cap <= limit:
             raise bad_request(
-                f"Invalid 'max_tokens': this server generates at most {cap} "
+                f"Invalid '{name}': this server generates at most {cap} "
                 f"tokens per request (--max-tokens-limit), got {shown(asked)}.",
-                "max_tokens",
+                name,
                 "invalid_value",
             )
         if prompt_len >= limit or (asked is not None and prompt_len + asked > limit):
@@ -560,8 +561,8 @@ class Server:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens (KV pool and positions). "
                 f"However, you requested {prompt_len} prompt tokens{what}. Shorten the prompt "
-                "or max_tokens.",
-                prompt_param if prompt_len >= limit or asked is None else "max_tokens",
+                f"or {name}.",
+                prompt_param if prompt_len >= limit or asked is None else name,
                 "context_length_exceeded",
             )
         if asked is not None:

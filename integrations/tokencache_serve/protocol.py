@@ -34,6 +34,9 @@ class GenerationParams:
     seed: int | None
     stream: bool
     include_usage: bool
+    # The field max_tokens came in ("max_tokens", or a chat's "max_completion_tokens"): a
+    # refusal of its value names that field, as the client wrote it.
+    max_tokens_param: str = "max_tokens"
 
 
 @dataclass(frozen=True)
@@ -390,6 +393,7 @@ def _common(body: Mapping[str, Any], max_key: str, default_temperature: float) -
         seed=seed,
         stream=stream,
         include_usage=include_usage,
+        max_tokens_param=max_key,
     )
 
 

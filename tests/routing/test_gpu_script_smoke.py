@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benches" / "gpu"
 SCRIPT = GPU / "routing_step.py"
 PARTS = ["decode", "engine", "routing shared-prompt", "routing reasoning"]
+# run_all.sh runs the four scripts in a subprocess under its own 600 s limit: that one, not
+# pytest-timeout's 300 s default, is to fail first (with the scripts' output).
+pytestmark = pytest.mark.timeout(900)
 
 
 def _env(out: Path, **extra: str) -> dict[str, str]:

@@ -74,8 +74,11 @@ class Served:
 
 
 @contextmanager
-def serve(tiny: Any, **engine_kw: Any) -> Iterator[Served]:
-    """A server on 127.0.0.1 (free port) over a fresh engine; records every submitted handle."""
+def serve(
+    tiny: Any, server_config: dict[str, Any] | None = None, **engine_kw: Any
+) -> Iterator[Served]:
+    """A server on 127.0.0.1 (free port) over a fresh engine; records every submitted handle.
+    server_config: ServerConfig fields beyond the model name and greedy default."""
     eng = make_engine(tiny, **engine_kw)
     served = Served(eng, None, tiny[2])  # type: ignore[arg-type]
     submit = eng.submit
@@ -86,7 +89,8 @@ def serve(tiny: Any, **engine_kw: Any) -> Iterator[Served]:
         return h
 
     eng.submit = recording_submit  # type: ignore[method-assign]
-    app = create_app(eng, tiny[2], ServerConfig(model_name=MODEL, default_temperature=0.0))
+    config = ServerConfig(model_name=MODEL, default_temperature=0.0, **(server_config or {}))
+    app = create_app(eng, tiny[2], config)
     with BackgroundServer(app) as srv:
         served.server = srv
         yield served

@@ -65,7 +65,11 @@ def _draw(
         p = probs
     else:
         p, order = probs.sort(dim=-1, descending=True, stable=True)
-        p = torch.where(p.cumsum(-1) - p < top_p[:, None], p, 0.0)
+        keep = p.cumsum(-1) - p < top_p[:, None]
+        # The most likely token stays whatever top_p: one below float32's least (a valid
+        # 5e-324) is 0 here, which would keep nothing and draw the least likely token.
+        keep[:, 0] = True
+        p = torch.where(keep, p, 0.0)
     cdf = p.double().cumsum(-1)
     target = u.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
     j = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)

@@ -52,6 +52,22 @@ _LENGTH = attrgetter("length")  # a handle's committed tokens
 _N = attrgetter("n")  # a request's tokens so far
 
 
+def end_reasons(reqs: Sequence[Request], tokens: Sequence[int]) -> list[str | None]:
+    """Why each request ends when its token is appended, or None when it goes on: "stop" for
+    a stop or eos token, "length" once it has max_new_tokens. A stop token that is also the
+    last token allowed ends it with "stop" (OpenAI's rule: a matched stop wins). The one
+    place the rule lives: both models' tokens end through it (finish_small, commit_token), a
+    step's rows in one call (no Python call per row: test_host_path counts them)."""
+    return [
+        "stop"
+        if t in r.stop_token_ids
+        else "length"
+        if r.n + 1 - r.prompt_len >= r.max_new_tokens
+        else None
+        for r, t in zip(reqs, tokens, strict=True)
+    ]
+
+
 def fixed_part(price: Price, kind: int, rows: int, tokens: int, kv_tokens: int) -> float:
     """A forward's fixed cost: its price at these rows minus their per-row part, taken as the
     intercept of the price's linear extension, 2 * P(rows) - P(2 * rows) (tokens and KV
@@ -868,6 +884,7 @@ class Scheduler:
                     leave_next(r)
             stage, k = 2, 0
             with shared:
+                ends = end_reasons(takers, taken)  # before the tokens are appended
                 for k, r in enumerate(takers):
                     if r.finished_reason is not None:
                         continue
@@ -875,14 +892,9 @@ class Scheduler:
                         token = taken[k]
                         n = r.n
                         r.seq[n] = token
-                        r.n = n = n + 1
+                        r.n = n + 1
                         count += 1
-                        if token in r.stop_token_ids:
-                            reason: str | None = "stop"
-                        elif n - r.prompt_len >= r.max_new_tokens:
-                            reason = "length"
-                        else:
-                            reason = None
+                        reason = ends[k]
                         if r.lock is shared:  # _deliver, inline
                             if not r.abort_requested:
                                 r.tokens.append(token)
@@ -1042,19 +1054,14 @@ class Scheduler:
 
     def commit_token(self, r: Request, token: int, model: int, now: float) -> bool:
         """Appends a token and hands it to the caller; True when r finished (released)."""
+        (reason,) = end_reasons((r,), (token,))  # before the token is appended
         n = r.n
         r.seq[n] = token
-        r.n = n = n + 1
+        r.n = n + 1
         st = self.stats
         st.tokens += 1
         if model == LARGE:
             st.large_tokens += 1
-        if token in r.stop_token_ids:
-            reason: str | None = "stop"
-        elif n - r.prompt_len >= r.max_new_tokens:
-            reason = "length"
-        else:
-            reason = None
         with r.lock:
             self._deliver(r, token, model, now, reason)
         self.touched.append(r)
