@@ -1,14 +1,16 @@
 """SGLang plugin: registers ``--radix-cache-backend tokencache``.
 
 SGLang loads the ``sglang.srt.plugins`` entry point ``tokencache`` in each of its processes
-(scheduler, detokenizer, ...) and calls :func:`register`.
+(scheduler, detokenizer, ...) and calls :func:`register`, which warns once per process when the
+installed SGLang is not the version the backend is tested with.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from tokencache_sglang.sglang_import import import_sglang
+from tokencache_sglang.sglang_import import import_sglang, sglang_version
 
 import_sglang()  # a no-op inside SGLang's processes; stubs torchvision when imported elsewhere
 
@@ -27,6 +29,25 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 BACKEND_NAME = "tokencache"
+# The SGLang release the backend is tested against (tests/sglang; the `sglang` extra pins it).
+TESTED_SGLANG_VERSION = "0.5.23"
+
+
+class UntestedSGLangVersionWarning(UserWarning):
+    """The installed SGLang is not the release the backend is tested with."""
+
+
+def warn_if_untested(installed: str) -> None:
+    """Warn when ``installed`` (an SGLang version string) is not the tested release."""
+    if installed != TESTED_SGLANG_VERSION:
+        warnings.warn(
+            f"--radix-cache-backend tokencache is tested with sglang {TESTED_SGLANG_VERSION}; "
+            f"the installed sglang is {installed}. SGLang's prefix-cache interface changes "
+            f"between releases: install sglang=={TESTED_SGLANG_VERSION}, or run tests/sglang "
+            "against this one before serving with it.",
+            UntestedSGLangVersionWarning,
+            stacklevel=3,
+        )
 
 
 def _server_arg(ctx: TreeCacheBuildContext, name: str, default: Any = None) -> Any:
@@ -84,4 +105,5 @@ def register() -> None:
         raise RuntimeError(
             f"radix-cache backend {BACKEND_NAME!r} is already registered by {existing!r}"
         )
+    warn_if_untested(sglang_version())
     register_radix_cache_backend(BACKEND_NAME, build_tokencache)

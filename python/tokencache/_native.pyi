@@ -64,7 +64,8 @@ class InvalidArgumentError(TokenCacheError, ValueError):
 
 @final
 class Node:
-    """A generational handle to a tree node. It never keeps the node alive."""
+    """A generational handle to a tree node. It never keeps the node alive; it holds its tree,
+    where ``key`` reads the node's tokens."""
 
     @property
     def id(self) -> int: ...
@@ -75,6 +76,11 @@ class Node:
     def is_alive(self) -> bool: ...
     def lock_ref(self) -> int:
         """Locks and pins held on this node itself (not its subtree)."""
+    @property
+    def key(self) -> NDArray[np.int64]:
+        """The token ids on the edge into this node (SGLang's ``TreeNode.key``): empty for a
+        namespace root. A later split shortens the deeper node's key. StaleHandleError once
+        the node is evicted, removed or reset."""
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 

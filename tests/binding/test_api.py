@@ -24,6 +24,24 @@ def test_match_returns_one_int64_array_and_splits() -> None:
     tree.check_invariants()
 
 
+def test_a_nodes_key_is_the_edge_into_it() -> None:
+    """SGLang's TreeNode.key: the tokens from the parent to the node, empty at a root."""
+    tree = tc.RadixTree(page_size=2)
+    assert tree.root.key.dtype == np.int64 and len(tree.root.key) == 0
+    first = tree.insert([1, 2, 3, 4], [10, 11, 12, 13]).node
+    assert first.key.tolist() == [1, 2, 3, 4]
+    m = tree.match_prefix([1, 2, 9, 9])  # ends inside the node: it splits there
+    assert m.node.key.tolist() == [1, 2] and first.key.tolist() == [3, 4]
+    cur = tree.cursor(namespace="other")
+    assert cur.node.is_root and len(cur.node.key) == 0
+    cur.extend([5, 6, 7], [20, 21, 22])  # the last token waits for its page
+    assert cur.node.key.tolist() == [5, 6]
+    cur.release()
+    tree.reset()
+    with pytest.raises(tc.StaleHandleError):
+        first.key  # noqa: B018
+
+
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint32, np.uint64])
 def test_token_dtypes(dtype: type) -> None:
     tree = tc.RadixTree()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from array import array
 from pathlib import Path
 from types import SimpleNamespace
@@ -84,6 +85,53 @@ def test_entry_point_loads_through_sglang(sgl: SimpleNamespace, installed_entry_
     func()  # every SGLang process loads plugins; registering twice must be harmless
     assert sgl.registry.get_radix_cache_factory("tokencache") is sgl.plugin.build_tokencache
     assert "tokencache" in sgl.registry.registered_radix_cache_backends()
+
+
+def test_the_tested_sglang_is_the_one_the_extra_pins(sgl: SimpleNamespace) -> None:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
+    assert extras["sglang"] == [f"sglang=={sgl.plugin.TESTED_SGLANG_VERSION}"]
+
+
+@pytest.fixture
+def registrations(sgl: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """What register() hands SGLang's registry, which is left as it is."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(sgl.plugin, "get_radix_cache_factory", lambda name: None)
+    monkeypatch.setattr(
+        sgl.plugin, "register_radix_cache_backend", lambda *args: calls.append(args)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("installed", ["0.5.22", "0.5.24", "0.6.0", "unknown"])
+def test_register_warns_when_sglang_is_not_the_tested_release(
+    sgl: SimpleNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    registrations: list[tuple],
+    installed: str,
+) -> None:
+    monkeypatch.setattr(sgl.plugin, "sglang_version", lambda: installed)
+    with pytest.warns(sgl.plugin.UntestedSGLangVersionWarning) as caught:
+        sgl.plugin.register()
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"tested with sglang {sgl.plugin.TESTED_SGLANG_VERSION}" in message
+    assert f"the installed sglang is {installed}." in message
+    assert registrations == [("tokencache", sgl.plugin.build_tokencache)]  # it still serves
+
+
+def test_register_is_quiet_on_the_tested_release(
+    sgl: SimpleNamespace, registrations: list[tuple]
+) -> None:
+    assert sgl.plugin.sglang_version() == sgl.plugin.TESTED_SGLANG_VERSION
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sgl.plugin.register()
+    assert registrations == [("tokencache", sgl.plugin.build_tokencache)]
 
 
 def test_create_tree_cache_selects_tokencache(

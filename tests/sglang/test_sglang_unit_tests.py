@@ -56,6 +56,25 @@ def test_init_variations(
     # RadixCache always sets a recorder; a disabled tree's records nothing.
     assert isinstance(cache.kv_events, KVCacheEventRecorder)
     assert cache.kv_events.enabled == (enable_events and not disable)
+    assert cache.root_node is not None
+    assert len(cache.root_node.key) == 0
+
+
+def test_a_nodes_key_is_the_edge_into_it(sgl: SimpleNamespace, cls: Any) -> None:
+    """TreeNode.key: the tokens from the node's parent to it; a split shortens the deeper
+    node's key (the node itself is kept)."""
+    cache = cls.create_simulated(page_size=2)
+
+    def tokens(node: Any) -> list[int]:
+        return [int(t) for t in node.key]
+
+    insert(sgl, cache, [1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])
+    whole = match(sgl, cache, [1, 2, 3, 4, 5, 6]).last_device_node
+    assert tokens(whole) == [1, 2, 3, 4, 5, 6]
+    head = match(sgl, cache, [1, 2, 3, 4, 9, 9]).last_device_node
+    assert tokens(head) == [1, 2, 3, 4]
+    assert tokens(match(sgl, cache, [1, 2, 3, 4, 5, 6]).last_device_node) == [5, 6]
+    assert tokens(cache.root_node) == []
 
 
 def test_reset(sgl: SimpleNamespace, cls: Any) -> None:

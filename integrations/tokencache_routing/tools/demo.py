@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"Measured: {speedup:.2f}x the large model alone: this CPU does not show a speed-up. "
             "Each catch-up\nprefills every token written since the large model's last turn, and "
-            "two models' per-step\noverheads add up; GPU-shaped costs: BENCHMARKS.md, section 8."
+            "two models' per-step\noverheads add up; on a GPU: BENCHMARKS.md, 'Measured on a GPU'."
         )
     if points[name].token_agreement < 0.5:
         print(

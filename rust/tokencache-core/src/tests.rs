@@ -477,6 +477,33 @@ fn path_slots_and_length_are_those_from_the_root() {
 }
 
 #[test]
+fn a_nodes_key_is_the_edge_into_it() {
+    let t = tree(2);
+    assert_eq!(t.node_key(&t.root()).unwrap(), Vec::<u32>::new());
+    let first = t.insert(&[1, 2, 3, 4], &[10, 11, 12, 13], None, 0).unwrap();
+    assert_eq!(t.node_key(&first.node).unwrap(), vec![1, 2, 3, 4]);
+    // A match ending inside the node splits it: the deeper node keeps its id, its key shortens.
+    let m = t.match_prefix(&[1, 2, 9, 9], None);
+    assert_eq!(t.node_key(&m.node).unwrap(), vec![1, 2]);
+    assert_eq!(t.node_key(&first.node).unwrap(), vec![3, 4]);
+    let other = t.insert(&[7, 8], &[20, 21], Some("ns"), 0).unwrap();
+    assert_eq!(t.node_key(&other.node).unwrap(), vec![7, 8]);
+    let root = t.cursor(Some("ns")).node();
+    assert!(root.is_root());
+    assert_eq!(t.node_key(&root).unwrap(), Vec::<u32>::new());
+    t.reset();
+    assert!(matches!(
+        t.node_key(&first.node),
+        Err(Error::StaleHandle(_))
+    ));
+    assert!(matches!(
+        tree(2).node_key(&t.root()),
+        Err(Error::ForeignHandle(_))
+    ));
+    ok(&t);
+}
+
+#[test]
 fn pretty_print_shows_each_node_and_the_sizes() {
     let t = tree(1);
     t.insert(&[1, 2, 3], &[10, 11, 12], None, 0).unwrap();

@@ -284,6 +284,14 @@ impl RadixTree {
         Ok(inner.path_length(node.id))
     }
 
+    /// The tokens on the edge into `node`, SGLang's `TreeNode.key`: empty for a namespace root.
+    /// A later split shortens the edge into the deeper node, so this is the key as it is now.
+    pub fn node_key(&self, node: &NodeHandle) -> Result<Vec<u32>> {
+        let inner = self.shared.lock();
+        self.shared.check_handle(&inner, node)?;
+        Ok(inner.arena[node.id].tokens.clone())
+    }
+
     pub fn take_events(&self) -> Vec<KvEvent> {
         std::mem::take(&mut self.shared.lock().events)
     }

@@ -13,11 +13,13 @@ use convert::{array, token_array};
 use errors::{BindingError, IntoPyResult};
 use parking_lot::{Mutex, MutexGuard};
 
-/// A generational handle to a tree node. It never keeps the node alive.
+/// A generational handle to a tree node. It never keeps the node alive; it holds its tree, where
+/// `key` reads the node's tokens.
 #[pyclass(module = "tokencache", name = "Node", frozen, eq, hash)]
 #[derive(Clone)]
 struct PyNode {
     inner: core::NodeHandle,
+    tree: core::RadixTree,
 }
 
 impl PartialEq for PyNode {
@@ -51,6 +53,11 @@ impl PyNode {
     }
     fn lock_ref(&self) -> u32 {
         self.inner.lock_ref()
+    }
+    /// The token ids on the edge into this node (SGLang's `TreeNode.key`); empty for a root.
+    #[getter]
+    fn key<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        Ok(token_array(py, self.tree.node_key(&self.inner).py_err()?))
     }
     fn __repr__(&self) -> String {
         let id = self.inner.id();
@@ -196,8 +203,10 @@ impl PyCursor {
     }
     #[getter]
     fn node(&self) -> PyResult<PyNode> {
+        let cursor = self.get()?;
         Ok(PyNode {
-            inner: self.get()?.node(),
+            inner: cursor.node(),
+            tree: cursor.tree(),
         })
     }
     #[getter]
@@ -285,6 +294,15 @@ struct PyRadixTree {
     inner: core::RadixTree,
 }
 
+impl PyRadixTree {
+    fn wrap(&self, inner: core::NodeHandle) -> PyNode {
+        PyNode {
+            inner,
+            tree: self.inner.clone(),
+        }
+    }
+}
+
 #[pymethods]
 impl PyRadixTree {
     #[new]
@@ -330,9 +348,7 @@ impl PyRadixTree {
     }
     #[getter]
     fn root(&self) -> PyNode {
-        PyNode {
-            inner: self.inner.root(),
-        }
+        self.wrap(self.inner.root())
     }
 
     #[pyo3(signature = (tokens, namespace=None))]
@@ -348,7 +364,7 @@ impl PyRadixTree {
         Ok(PyMatchResult {
             length: m.length,
             slots: array(py, m.slots).unbind(),
-            node: Py::new(py, PyNode { inner: m.node })?,
+            node: Py::new(py, self.wrap(m.node))?,
         })
     }
 
@@ -381,7 +397,7 @@ impl PyRadixTree {
             .py_err()?;
         Ok(PyInsertResult {
             prefix_len: r.prefix_len,
-            node: Py::new(py, PyNode { inner: r.node })?,
+            node: Py::new(py, self.wrap(r.node))?,
         })
     }
 
