@@ -93,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also write <device>-<date>-routing*.json there (default: benches/gpu/results/)",
     )
     p.add_argument(
+        "--large-alone-first",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the large model alone right after tokencache at each context (the headline "
+        "ratio), before the baselines (default on)",
+    )
+    p.add_argument(
         "--warm-up",
         choices=["pass", "full", "none"],
         default="pass",
@@ -161,6 +168,8 @@ def build(a: argparse.Namespace) -> tuple[Any, Any, int]:
 def write(result: dict[str, Any], a: argparse.Namespace) -> None:
     text = json.dumps(result, indent=1)
     tag = "" if a.workload == "shared-prompt" else f"-{a.workload}"
+    if a.large != "qwen3-8b":  # another pair's rows go to files of their own
+        tag += "-" + a.large.removeprefix("qwen3-")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"routing_step{tag}.json").write_text(text)
     if a.results:
@@ -204,6 +213,9 @@ def plan(a: argparse.Namespace) -> list[tuple[int, float, str, bool | None]]:
     (on for tokencache), False for the serial path."""
     base = TARGET_BASELINE.get(a.workload, "naive")
     lead = [s for s in ("tokencache", base) if s in a.dispatches]
+    # The comparison a user makes first, routed against the large model alone: that bound
+    # right after tokencache at each context, before the baselines.
+    alone = [(ctx, 0.0, "large alone", None) for ctx in a.contexts] if a.large_alone_first else []
     settings: dict[str, list[bool | None]] = {"on": [None], "off": [False], "both": [None, False]}
     tc = settings[a.tokencache_overlap]
     routed: list[tuple[str, bool | None]] = []
@@ -214,8 +226,11 @@ def plan(a: argparse.Namespace) -> list[tuple[int, float, str, bool | None]]:
     routed += [(s, None) for s in a.dispatches if s not in lead]
     first = [p for p in a.rates if p == 0.1] or a.rates[:1]
     rest = [p for p in a.rates if p not in first]
-    bounds = [(b, None) for b in bench.BOUNDS]
-    jobs = [(ctx, p, s, o) for ctx in a.contexts for p in first for s, o in routed]
+    bounds = [(b, None) for b in bench.BOUNDS if not (alone and b == "large alone")]
+    jobs: list[tuple[int, float, str, bool | None]] = []
+    for ctx in a.contexts:
+        mine = [(ctx, p, s, o) for p in first for s, o in routed]
+        jobs += mine[:1] + [j for j in alone if j[0] == ctx] + mine[1:]
     jobs += [(ctx, 0.0, b, o) for ctx in a.contexts for b, o in bounds]
     return jobs + [(ctx, p, s, o) for p in rest for ctx in a.contexts for s, o in routed]
 

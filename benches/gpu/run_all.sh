@@ -3,7 +3,7 @@
 # bash benches/gpu/prepare_carry.sh; then ONE device call, carry [".whl"], timeout_s 590:
 # bash benches/gpu/device.sh all (installs the wheels, then this script), or, with the wheels
 # installed already:
-#   bash benches/gpu/run_all.sh all        # the four parts below, at most GPU_ALL_S (540 s)
+#   bash benches/gpu/run_all.sh all        # the parts below, at most GPU_ALL_S (540 s)
 # A session's device time is short (15 minutes, a start included) and an idle machine goes back
 # within a minute, so one call that does everything beats two. Or one part per call, with a
 # longer budget:
@@ -11,15 +11,18 @@
 #   bash benches/gpu/run_all.sh engine     # engine_step.py + host_path.py, at most ~3.5 minutes
 #   bash benches/gpu/run_all.sh routing    # routing_step.py, shared prompt, at most ~6.5 minutes
 #   bash benches/gpu/run_all.sh reasoning  # routing_step.py --workload reasoning, ~8.5 minutes
-# `all`, target rows first in every part (issue 19): decode (runner decode at batch 32 x 2048,
-# Qwen3-0.6B <= 3 ms, 8B <= 8 ms) 130 s for starting rows, at most 170; engine (the engine's
-# step <= 1.2x the runner's, overlap on and off) 50 s, at most 80; routing, shared prompt, p = 0.1,
-# 8192 then 2048 (tokencache >= 1.5x naive at 8192) 70 s, at most 105; reasoning (2048 new
-# tokens, tokencache >= 5x naive-sglang) what is left, at most until GPU_ALL_S. Each part runs
-# even when the one before fails; its rows say what it measured. Results land in $OUT
+#   bash benches/gpu/run_all.sh reasoning-32b  # the same with a Qwen3-32B large model
+#   bash benches/gpu/run_all.sh warm       # warm_start.py, at most 5 minutes
+# `all`, in the order of what matters most, each part's target rows first: decode (decode and
+# catch-ups on every path, graphs included, Qwen3-0.6B / 8B / 32B) 120 s for starting rows, at
+# most 150; reasoning with Qwen3-8B (tokencache, the 8B alone, naive-sglang; 2048 new tokens,
+# p = 0.1) 140 s, at most 190; reasoning with Qwen3-32B (tokencache, the 32B alone) 70 s, at
+# most 110; warm (RoutedEngine.warm_up's time and the first request's TTFT) at most 80; the
+# engine step and the shared-prompt routing rows only if time is left. Each part runs even
+# when the one before fails; its rows say what it measured. Results land in $OUT
 # (markdown + JSON: what comes back from the device machine) and in benches/gpu/results/
 # (GPU_RESULTS). Each script refuses clearly when no CUDA device is present; GPU_SMOKE=1 runs
-# every part with --smoke instead (tiny models on the CPU, ~1 minute: the CPU rehearsal,
+# every part with --smoke instead (tiny models on the CPU: the CPU rehearsal,
 # tests/routing/test_gpu_script_smoke.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,11 +59,18 @@ engine() { # the engine's decode step beside the runner's (overlap on and off), 
   keep
   return "$rc"
 }
+warm() { # $1: hard limit (s)
+  stamp "warm (limit $1 s)"
+  OUT="$OUT" timeout "$1" "$PY" benches/gpu/warm_start.py ${SMOKE[@]+"${SMOKE[@]}"} 2>&1 |
+    tee "$OUT/warm_start.md"
+  return "${PIPESTATUS[0]}"
+}
 routing() { # $1: workload, $2: budget (s) for starting rows, $3: grace (s), $4: hard limit (s),
-  # then routing_step.py's arguments
-  stamp "routing $1 (budget $2 s, grace $3 s, limit $4 s)"
+  # then routing_step.py's arguments ($MD_TAG: a suffix for its markdown's name)
+  stamp "routing $1${MD_TAG:-} (budget $2 s, grace $3 s, limit $4 s)"
   local md=routing_step
   [ "$1" = shared-prompt ] || md="routing_step-$1"
+  md="$md${MD_TAG:-}"
   OUT="$OUT" timeout "$4" "$PY" benches/gpu/routing_step.py --workload "$1" --results "$RESULTS" \
     --budget-s "$2" --grace-s "$3" "${@:5}" ${SMOKE[@]+"${SMOKE[@]}"} 2>&1 | tee "$OUT/$md.md"
   local rc=${PIPESTATUS[0]}
@@ -72,23 +82,28 @@ case "$part" in
   engine) engine 150 210 ;;
   routing) routing shared-prompt 300 60 390 --contexts 8192 2048 ;;
   reasoning) routing reasoning 380 90 500 ;;
+  reasoning-32b) MD_TAG=-32b routing reasoning 380 90 500 --large qwen3-32b ;;
+  warm) warm 300 ;;
   all)
     rc=0
-    decode 130 170 || rc=$?
-    engine 50 80 --host-path-quick || rc=$?
-    routing shared-prompt 70 25 105 --contexts 8192 2048 --rates 0.1 || rc=$?
+    decode 120 150 || rc=$?
+    routing reasoning 140 40 190 --dispatches tokencache naive-sglang || rc=$?
+    MD_TAG=-32b routing reasoning 70 30 110 --large qwen3-32b --dispatches tokencache || rc=$?
+    warm 80 || rc=$?
     left=$((TOTAL - (SECONDS - start)))
-    if [ "$left" -gt 60 ]; then # the rest of the time: reasoning's limit ends with TOTAL
-      routing reasoning $((left - 60)) 45 $((left - 5)) || rc=$?
+    if [ "$left" -gt 60 ]; then # the rest of the time: the engine step, then shared prompts
+      engine $((left / 3)) $((left / 2)) --host-path-quick || rc=$?
+      left=$((TOTAL - (SECONDS - start)))
+      [ "$left" -gt 40 ] && { routing shared-prompt $((left - 30)) 15 $((left - 5)) \
+        --contexts 8192 --rates 0.1 || rc=$?; }
     else
-      stamp "reasoning not run: ${left} s left of ${TOTAL}"
-      rc=1
+      stamp "engine and shared-prompt routing not run: ${left} s left of ${TOTAL}"
     fi
     stamp "done (rc $rc)"
     exit "$rc"
     ;;
   *)
-    echo "usage: run_all.sh all|decode|engine|routing|reasoning" >&2
+    echo "usage: run_all.sh all|decode|reasoning|reasoning-32b|warm|engine|routing" >&2
     exit 2
     ;;
 esac

@@ -20,7 +20,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benches" / "gpu"
 SCRIPT = GPU / "routing_step.py"
-PARTS = ["decode", "engine", "routing shared-prompt", "routing reasoning"]
+PARTS = [
+    "decode",
+    "routing reasoning",
+    "routing reasoning-32b",
+    "warm",
+    "engine",
+    "routing shared-prompt",
+]
+MARKDOWN = (
+    "decode_step",
+    "routing_step-reasoning",
+    "routing_step-reasoning-32b",
+    "warm_start",
+    "engine_step",
+    "routing_step",
+)
 # run_all.sh runs the four scripts in a subprocess under its own 600 s limit: that one, not
 # pytest-timeout's 300 s default, is to fail first (with the scripts' output).
 pytestmark = pytest.mark.timeout(900)
@@ -70,11 +85,20 @@ def _rows(out: Path, name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def test_run_all_runs_every_part_in_order(smoke: tuple[Path, str]) -> None:
     out, stdout = smoke
     assert _stamps(out) == [*PARTS, "done"]
-    for md in ("decode_step", "engine_step", "routing_step", "routing_step-reasoning"):
+    for md in MARKDOWN:
         assert (out / f"{md}.md").read_text().strip(), md
     # routing's named files, written into $OUT's results directory (GPU_RESULTS) as well
     names = sorted(p.name for p in (out / "results").glob("*-routing*.json"))
-    assert [n.rsplit("-routing", 1)[1] for n in names] == ["-reasoning.json", ".json"], names
+    tags = [n.rsplit("-routing", 1)[1] for n in names]
+    assert tags == ["-reasoning-32b.json", "-reasoning.json", ".json"], names
+    warm = [json.loads(x) for x in (out / "warm_start.md").read_text().splitlines() if x[:1] == "{"]
+    assert [r["check"] for r in warm] == [
+        "warm-up (first)",
+        "warm-up (again)",
+        "requests after warm-up",
+        "cold engine, first request",
+    ]
+    assert warm[2]["cold_runs"] == 0 and warm[0]["keys"] > 0
     # the engine's rows: overlap on (the target) then off, beside the runner's step
     engine = [
         json.loads(x) for x in (out / "engine_step.md").read_text().splitlines() if x[:1] == "{"
@@ -91,14 +115,15 @@ def test_smoke_shared_prompt_rows(smoke: tuple[Path, str]) -> None:
     rows = [line for line in stdout.splitlines() if line.startswith("| L | p | system |")]
     assert rows, stdout[-3000:]
     result, rows = _rows(out, "routing_step.json")
-    # target first: tokencache beside naive, then tokencache without overlap, then the others
+    # target first: tokencache beside the large model alone and naive, then tokencache
+    # without overlap, then the others
     assert [r["system"] for r in rows] == [
         "tokencache",
+        "large alone",
         "naive",
         "tokencache (serial)",
         "threaded",
         "small alone",
-        "large alone",
     ]
     for r in rows:
         # the fields the GPU clock is refitted from
@@ -112,19 +137,22 @@ def test_smoke_shared_prompt_rows(smoke: tuple[Path, str]) -> None:
 
 
 def test_smoke_reasoning_workload(smoke: tuple[Path, str]) -> None:
-    """--workload reasoning: one wave of long generations (here 24 tokens), tokencache with and
-    without overlap before naive and the bounds, every request writing all its tokens, and the
-    per-step breakdown."""
+    """--workload reasoning: one wave of long generations (here 24 tokens), tokencache beside
+    the large model alone, then without overlap and the small model alone, every request
+    writing all its tokens, and the per-step breakdown; the Qwen3-32B pair's rows in files of
+    their own."""
     out, stdout = smoke
     assert "paper ms" in stdout  # the breakdown beside the published profile
     result, rows = _rows(out, "routing_step-reasoning.json")
-    assert [(r["system"], r["overlap"]) for r in rows] == [
+    order = [
         ("tokencache", True),
-        ("tokencache (serial)", False),
-        ("naive", False),
-        ("small alone", True),
         ("large alone", True),
+        ("tokencache (serial)", False),
+        ("small alone", True),
     ]
+    assert [(r["system"], r["overlap"]) for r in rows] == order
+    big, big_rows = _rows(out, "routing_step-reasoning-32b.json")
+    assert big["large"] == "qwen3-32b" and [(r["system"], r["overlap"]) for r in big_rows] == order
     args = result["args"]
     assert (args["max_new"], args["requests_per_slot"], args["rates"]) == (24, 1, [0.2])
     for r in rows:
@@ -135,8 +163,9 @@ def test_smoke_reasoning_workload(smoke: tuple[Path, str]) -> None:
 
 
 def test_device_order_targets_first() -> None:
-    """The H200 order (not run here): issue 19's target pairs first, the serial tokencache row
-    right after them, the bounds after every routed row at p = 0.1."""
+    """The H200 order (not run here): tokencache first, the large model alone right after it
+    (the headline ratio), then the target baseline, the serial tokencache row, the other
+    dispatches; the other bounds after every routed row at p = 0.1."""
     sys.path.insert(0, str(GPU))
     import routing_step
 
@@ -147,35 +176,39 @@ def test_device_order_targets_first() -> None:
         return routing_step.plan(a)
 
     shared = order(["--contexts", "8192", "2048", "--rates", "0.1"])
-    assert shared[:5] == [
+    assert shared[:6] == [
         (8192, 0.1, "tokencache", None),
+        (8192, 0.0, "large alone", None),
         (8192, 0.1, "naive", None),
         (8192, 0.1, "tokencache", False),
         (8192, 0.1, "naive-sglang", None),
         (8192, 0.1, "threaded", None),
     ]
-    assert shared[5][:3] == (2048, 0.1, "tokencache") and len(shared) == 14
-    assert [s for _, _, s, _ in shared[-4:]] == ["small alone", "large alone"] * 2
+    assert shared[6][:3] == (2048, 0.1, "tokencache") and len(shared) == 14
+    assert shared[7][2] == "large alone"
+    assert [s for _, _, s, _ in shared[-2:]] == ["small alone"] * 2
     reasoning = order(["--workload", "reasoning"])
     assert [(c, s, o) for c, _, s, o in reasoning] == [
         (2304, "tokencache", None),
+        (2304, "large alone", None),
         (2304, "naive-sglang", None),
         (2304, "tokencache", False),
         (2304, "naive", None),
         (2304, "small alone", None),
-        (2304, "large alone", None),
     ]
+    late = order(["--workload", "reasoning", "--no-large-alone-first"])
+    assert [s for _, _, s, _ in late][-2:] == ["small alone", "large alone"]
     on = order(["--workload", "reasoning", "--overlap", "on"])
     off = order(["--workload", "reasoning", "--overlap", "off"])
     assert [o for _, _, s, o in on if s == "tokencache"] == [None]
     assert [o for _, _, s, o in off if s == "tokencache"] == [False]
-    assert off[1][2] == "naive-sglang"
+    assert off[2][2] == "naive-sglang"
 
 
 def test_each_part_runs_after_a_failure_and_refuses_without_cuda(tmp_path: Path) -> None:
     res = _run_all(tmp_path)
     assert res.returncode != 0
     assert _stamps(tmp_path) == [*PARTS, "done"]
-    for md in ("decode_step", "engine_step", "routing_step", "routing_step-reasoning"):
+    for md in MARKDOWN:
         assert "CUDA" in (tmp_path / f"{md}.md").read_text(), md
     assert not list(tmp_path.glob("*.json"))

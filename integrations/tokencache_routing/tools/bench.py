@@ -273,11 +273,16 @@ def run(
         charge["host_charge"] = a.host_charge
     if dispatch == "tokencache" and getattr(a, "no_overlap", False):
         charge["overlap"] = False  # the serial host path (the engine's default overlaps)
+    # A bound runs one model alone: its "large" side is never asked (the router never
+    # escalates), so its pool holds one request's context, not a second copy of the whole
+    # workload's (which ran a 32B model out of memory beside itself).
+    large_slots = max(len(q) for q in prompts) + max_new + 64 if system in BOUNDS else None
     eng = RoutedEngine(
         small,
         large,
         router,
         slots,
+        large_num_slots=large_slots,
         dispatch=dispatch,
         scheduler=sched,
         clock=clock,
@@ -458,21 +463,35 @@ def _progress(total: int, desc: str, a: argparse.Namespace) -> Any:
 
 
 HEADER = (
-    "| L | p | system | tok/s | x naive | TTFT p50 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | "
-    "occupancy | small steps | catch-ups | mean catch-up | bookkeeping | host ms / small step | "
-    "GPU idle | graphs |\n"
-    "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| L | p | system | tok/s | x naive | x naive-sglang | x large alone | TTFT p50 ms | "
+    "TPOT p50 / p99 ms | ITL p50 / p99 ms | occupancy | small steps | catch-ups | "
+    "mean catch-up | bookkeeping | host ms / small step | GPU idle | graphs |\n"
+    "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
+
+
+def ratio(r: Row, rows: list[Row], system: str) -> str:
+    """r's tokens/s over the `system` row's at r's workload point (its rate too, unless a
+    bound's), on the same clock; "-" without one."""
+    base = next(
+        (
+            q
+            for q in rows
+            if q.system == system
+            and point(q) == point(r)
+            and (system in BOUNDS or q.p == r.p)
+            and q.clock == r.clock
+            and q.tokens_per_s
+        ),
+        None,
+    )
+    return f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base is not None else "-"
 
 
 def table(rows: list[Row]) -> str:
     out = [HEADER]
     for r in rows:
-        naive = next(
-            (q for q in rows if q.system == "naive" and (point(q), q.p) == (point(r), r.p)), None
-        )
-        same_clock = naive is not None and naive.clock == r.clock and naive.tokens_per_s
-        x = f"{r.tokens_per_s / naive.tokens_per_s:.2f}x" if same_clock and naive else "-"
+        x = " | ".join(ratio(r, rows, s) for s in ("naive", "naive-sglang", "large alone"))
         p = "-" if r.system in BOUNDS else f"{r.p:.2f}"
         out.append(
             f"| {r.context} | {p} | {r.system} | {r.tokens_per_s:.0f} | {x} | "
