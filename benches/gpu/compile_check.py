@@ -1,4 +1,4 @@
-"""Compiles every Triton kernel the model runner launches for a GPU that is not here (issue 9).
+"""Compiles every Triton kernel the model runner launches for a GPU that is not here.
 
 No GPU needed (a CPU run, in CI too): Triton's compiler and the ptxas it ships run on the CPU.
 The runner's forwards run on the CPU with Triton told that the current device is the target

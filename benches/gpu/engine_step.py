@@ -1,4 +1,4 @@
-"""The decode step end to end through the routing engine, beside the runner's own step (issue 20).
+"""The decode step end to end through the routing engine, beside the runner's own step.
 
 For each context L: 32 requests behind one shared prompt of L - 16 tokens (16 of their own)
 decode on a Qwen3-0.6B-shaped model (random bf16 weights, CUDA graphs; the large model is the
@@ -30,7 +30,7 @@ path). Per row (medians over --steps unless said):
                     waits for this step and not for the one queued after it); readback_ms near
                     runner_device_ms would mean the finishing host work does not hide behind
                     the device.
-Target (issue 20): engine_ms within 1.2x of runner_ms with overlap (`ok`; the serial rows are
+Target: engine_ms within 1.2x of runner_ms with overlap (`ok`; the serial rows are
 there to compare). Then `benches/host_path.py` runs on this machine's CPU (host ms per decode
 step at batch 1..256 x 2k..32k, the device work stubbed) if --budget-s leaves time.
 
@@ -85,7 +85,7 @@ SMOKE_CONFIG = ModelConfig(
     head_dim=16,
 )
 OWN = 16
-TARGET = 1.2  # issue 20: the engine's step within 1.2x of the runner's
+TARGET = 1.2  # the engine's step within 1.2x of the runner's
 
 
 def sync(device: torch.device) -> None:

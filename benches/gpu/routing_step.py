@@ -3,9 +3,9 @@
 Run on a CUDA machine (no network needed):   python benches/gpu/routing_step.py
     --large qwen3-32b   a 32B-shaped large model instead of 8B
     --two-devices       small model on cuda:0, large on cuda:1 (when there are two GPUs)
-    --workload reasoning  the long-generation workload (issue 25): a 128-token shared system
+    --workload reasoning  the long-generation workload: a 128-token shared system
                         prompt + 128 own tokens, 2048 new tokens per request, 32 requests, p = 0.1;
-                        tokencache and naive-sglang first (issue 19's target: >= 5x), then
+                        tokencache, the large model alone and naive-sglang first (the targets), then
                         tokencache without overlap, naive, the bounds; per-step breakdown over
                         the last 128 small steps (tree calls synchronised)
     --overlap both|on|off tokencache with overlapped scheduling (RoutedEngine(overlap=True), the
@@ -15,7 +15,7 @@ Run on a CUDA machine (no network needed):   python benches/gpu/routing_step.py
 
 Random bf16 weights at Qwen3-0.6B (small) and Qwen3-8B (large) shapes; a Bernoulli router
 escalates each token with probability p. Rows run target first: at p = 0.1, context by context
-in the order given, tokencache and the target's baseline (shared-prompt: naive, issue 19's >=
+in the order given, tokencache and the target's baseline (shared-prompt: naive, the >=
 1.5x at 8192; reasoning: naive-sglang, >= 5x), tokencache without overlap, the other dispatches;
 then the bounds at each context; then the other rates. The workload is the CPU bench's: N = 4 x
 max_running requests, a shared system prompt (primed in both trees) plus each request's own
@@ -201,7 +201,7 @@ def free_row_memory() -> int:
     return device_memory()
 
 
-# The baseline issue 19's target compares tokencache with, per workload: run right after it.
+# The baseline each workload's target compares tokencache with: run right after it.
 TARGET_BASELINE = {"shared-prompt": "naive", "reasoning": "naive-sglang"}
 
 

@@ -1,4 +1,4 @@
-"""Misuse the tree promises to refuse (issue 11, items 6-9): each call raises its specific
+"""Misuse the tree promises to refuse: each call raises its specific
 TokenCacheError subclass and leaves the tree and every cursor exactly as they were."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Deferred input tokens (issue 20, the runner's half of the overlapped scheduler): a forward
+"""Deferred input tokens (the runner's half of the overlapped scheduler): a forward
 whose continuing rows take the previous step's sampled tokens straight from a device tensor
 (DeferredTokens) computes exactly what the same forward with those tokens written on the host
 computes, on every forward path: eager (unpadded, padded), the graph runner's static path

@@ -317,7 +317,7 @@ def test_an_anchor_that_diverges_early_is_left_out() -> None:
 
 def test_rows_on_a_nested_prompt_group_apart() -> None:
     """Four rows on prompt A + B (12 slots), six on A alone (7): one group of all saves 9 x 7,
-    two groups 3 x 12 + 5 x 7 (helper-15's case); whichever row comes first."""
+    two groups 3 x 12 + 5 x 7; whichever row comes first."""
     a, b = list(range(1, 8)), list(range(8, 13))
     on_ab = [[*a, *b, 100 + i] for i in range(4)]
     on_a = [[*a, 200 + i] for i in range(6)]

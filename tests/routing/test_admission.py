@@ -60,7 +60,7 @@ def _gaps(h: Any) -> list[float]:
 
 @pytest.mark.parametrize("background", [False, True])
 def test_64_concurrent_streams_wait_a_bounded_number_of_steps(pair: Any, background: bool) -> None:
-    """Issue 21 D4: 64 streams at once, max_running 32 (64 admitted). Every request is admitted
+    """64 streams at once, max_running 32 (64 admitted). Every request is admitted
     at once and then waits at most a few steps for any of its tokens: the small batch rotates
     longest-waiting first. Gating admission on the small batch (which requests back from
     catch-ups overfill) kept some waiting until the whole first wave drained (~100 steps)."""

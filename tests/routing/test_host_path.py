@@ -168,8 +168,8 @@ def test_a_decode_step_makes_few_python_calls_per_row(overlap: bool, per_row: in
     """Python stays off the per-request path of a decode step: the calls a step makes (counted
     by cProfile, benches/host_path.py --calls; a count, not a time) grow by at most `per_row`
     a request from 8 to 64 requests (measured: 5 with overlap, the default: a continued row
-    is selected, planned, committed and delivered as arrays; 6 at the fourteenth session's
-    end, 8 before steady decoding went on in place; 11 without, the serial path of the
+    is selected, planned, committed and delivered as arrays; 8 before steady decoding went
+    on in place; 11 without, the serial path of the
     threaded driver, 25 before its per-request reads were mapped in C). A per-row helper
     call or generator added to the step shows here."""
     host_path = _host_path()

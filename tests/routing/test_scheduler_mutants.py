@@ -1,4 +1,4 @@
-"""Scheduler promises that the mutation run of docs/MUTATION.md (2026-12-02, tenth session)
+"""Scheduler promises that a mutation run (docs/MUTATION.md, 2026-12-02)
 found unpinned: each test here fails with the mutant it names planted in core/scheduler.py.
 Most drive a Scheduler directly, on stand-in KV handles (no model, no forward)."""
 
@@ -123,8 +123,8 @@ def test_a_release_that_raises_releases_the_other_model_and_ends_the_request_wit
 
 def test_a_release_error_outranks_an_earlier_recorded_failure() -> None:
     """finish: a request whose failure was recorded (a listener raised: r.failure) and whose
-    KV release then raises ends with the release's error, the one its end met (mutant 10 of
-    the tenth session's sample: `reason != "XXerrorXX"` put the recorded failure back)."""
+    KV release then raises ends with the release's error, the one its end met (the mutant
+    `reason != "XXerrorXX"` put the recorded failure back)."""
     s = scheduler()
     r = request(0)
     r.failure = ValueError("listener failed")
@@ -158,7 +158,7 @@ def test_an_aborted_request_that_fails_ends_with_its_error() -> None:
     s.finish(q, "length")
     assert q.finished_reason == "abort" and q.error is None
     assert (s.stats.failed, s.stats.aborted, s.stats.finished) == (1, 1, 2)
-    a = request(2)  # a second abort is counted too (tenth session's mutant 30: `aborted = 1`)
+    a = request(2)  # a second abort is counted too (the mutant `aborted = 1` counted one)
     a.abort_requested = True
     s.finish(a, "length")
     assert (s.stats.failed, s.stats.aborted, s.stats.finished) == (1, 2, 3)

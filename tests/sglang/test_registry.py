@@ -1,4 +1,4 @@
-"""SGLang's plugin loader and radix-cache registry build the backend (issue 3, part c)."""
+"""SGLang's plugin loader and radix-cache registry build the backend."""
 
 from __future__ import annotations
 

@@ -476,7 +476,7 @@ class Scheduler:
         """Waiting requests in arrival order (FCFS) while fewer than max_admitted are admitted:
         a place that frees (a request finishes) is taken at the next admission. Not gated by
         the small batch: requests back from catch-ups refill it beyond max_running, and a gate
-        there kept the queue out while others came and went (issue 21 D4: requests waited for
+        there kept the queue out while others came and went (requests waited for
         the whole batch to drain); the batch cap and its longest-waiting-first order
         (schedule_small) share the small model among everyone admitted instead.
         One documented exception to FCFS: a request sharing an uncached prompt page with one

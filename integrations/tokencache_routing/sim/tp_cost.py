@@ -1,4 +1,4 @@
-"""The GPU clock's price of a tensor-parallel forward (issue 26): a model split over `tp` GPUs.
+"""The GPU clock's price of a tensor-parallel forward: a model split over `tp` GPUs.
 
 Each rank reads 1/tp of the weights and of the KV (its KV heads; with fewer KV heads than
 ranks, a copy of one: 1/num_kv_heads) and does 1/tp of the FLOPs,

@@ -43,7 +43,7 @@ GPU clock).
 Markdown table on stdout, bench.json and bench.png (when matplotlib is installed) in --out.
 The engine clock charges forwards and the engine's measured host time (RoutedEngine's
 host_charge, default serial: with overlap the GPU waits only for what the pipeline cannot
-hide; --host-charge trees charges the tree calls only, as before issue 20); the report's
+hide; --host-charge trees charges the tree calls only); the report's
 clock line says which. --stub-device times that host path without the CPU models' forwards
 (zero logits, the same schedule): on this CPU each forward also evicts the host's caches. Its
 host preparation is the GPU runner's (--stub-runner gpu, the default: what the engine does on
@@ -266,7 +266,7 @@ def run(
     systems = system_prompts_of(prompts, shared)
     own = max(len(q) for q in prompts) - shared + max_new
     slots = len(systems) * shared + sched.max_admitted * own + 1024
-    # What host time the clock charges (issue 20's RoutedEngine(host_charge=...)); not given:
+    # What host time the clock charges (RoutedEngine(host_charge=...)); not given:
     # the engine's default (an engine without the knob charges only the trees).
     charge: dict[str, Any] = {}
     if getattr(a, "host_charge", None) is not None:
@@ -714,8 +714,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--host-charge",
         default=None,
-        help="RoutedEngine's host_charge, where the engine has it (issue 20: serial, overlap or "
-        "trees); default: the engine's",
+        help="RoutedEngine's host_charge, where the engine has it (serial, overlap or trees); "
+        "default: the engine's",
     )
     ap.add_argument(
         "--no-overlap",
@@ -816,8 +816,8 @@ def chunk_note(rows: Sequence[Row]) -> str:
 
 
 def host_note(rows: Sequence[Row]) -> str:
-    """What host time the clock line's clock charges: an engine without host_charge (before
-    issue 20) charges the trees only, and the report says so."""
+    """What host time the clock line's clock charges: an engine without host_charge (an older
+    one, whose rows a report may reload) charges the trees only, and the report says so."""
     charges = sorted({r.extra.get("host_charge", "trees") for r in rows if r.system in SYSTEMS})
     if charges in ([], ["trees"]):
         return "host time outside the trees not charged"
