@@ -18,6 +18,7 @@ is captured in its graph, so graphs are keyed by it too.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -127,7 +128,20 @@ def capture_graph(
 ) -> tuple[torch.cuda.CUDAGraph, ForwardOutput]:
     """body's warm-up run (Triton compiles, cuBLAS plans) on a side stream, then its capture
     into a graph in `mempool`. Both run on whatever the buffers hold: the current step or
-    padding rows, so the only K/V writes are the ones the replay makes anyway."""
+    padding rows, so the only K/V writes are the ones the replay makes anyway. One capture at a
+    time in the process: entering a capture synchronises the device and empties the cache,
+    which would invalidate a capture another thread (the routing engine's other model) has
+    under way."""
+    with _CAPTURE_LOCK:
+        return _capture(body, mempool)
+
+
+_CAPTURE_LOCK = threading.Lock()
+
+
+def _capture(
+    body: Callable[[], ForwardOutput], mempool: Any
+) -> tuple[torch.cuda.CUDAGraph, ForwardOutput]:
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

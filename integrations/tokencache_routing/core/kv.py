@@ -10,6 +10,7 @@ bookkeeping share of step time).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -25,6 +26,8 @@ from tokencache_models.tp_worker import make_slot_table
 if TYPE_CHECKING:
     from .routers import Router
 
+_log = logging.getLogger("tokencache_routing")
+
 # A side's slot table starts this size and doubles (rows, and columns up to the pool's size).
 TABLE_ROWS = 64
 TABLE_WIDTH = 4096
@@ -34,7 +37,8 @@ class BookkeepingTimer:
     """ModelSide.bookkeeping's context: the tree call's time (device synchronised on CUDA)
     added to the side's totals. A class, not a generator-based context manager: it runs
     around a tree call several times a step, and a generator's protocol costs about twice
-    the Python calls."""
+    the Python calls. Its syncs only time the call (ModelSide.timing_sync): one that fails
+    never undoes the call or the bookkeeping after it (a release's row and tail, a pin)."""
 
     __slots__ = ("op", "side", "t0")
 
@@ -43,12 +47,12 @@ class BookkeepingTimer:
 
     def __enter__(self) -> None:
         side = self.side
-        side.sync()
+        side.timing_sync()
         self.t0 = side.timer()
 
     def __exit__(self, *exc: object) -> None:
         side = self.side
-        side.sync()
+        side.timing_sync()
         dt = side.timer() - self.t0
         side.bookkeeping_s += dt
         side.bookkeeping_by_op[self.op] = side.bookkeeping_by_op.get(self.op, 0.0) + dt
@@ -90,6 +94,7 @@ class ModelSide:
         # Measuring on CUDA: synchronise around tree calls, so device work a tree enqueues (as
         # SGLang's does) is charged to bookkeeping, not to the next forward.
         self.sync_cuda = False
+        self.sync_errors = 0  # timing syncs the device refused (timing_sync): measurements lost
         # The GPU clock charges bookkeeping as host time: measured as this thread's CPU time,
         # so other processes on a shared machine do not inflate it.
         self.timer: Callable[[], float] = time.perf_counter
@@ -108,8 +113,25 @@ class ModelSide:
         return e
 
     def sync(self) -> None:
+        """Measuring on CUDA: waits for the work this thread queued on the model's device (its
+        current stream), never for the whole device. In the threaded driver the other worker
+        may be capturing a CUDA graph meanwhile: a device-wide synchronize would wait for its
+        forwards too, and during a capture on the same device CUDA refuses it and invalidates
+        that capture."""
         if self.sync_cuda:
-            torch.cuda.synchronize(self.model.device)
+            torch.cuda.current_stream(self.model.device).synchronize()
+
+    def timing_sync(self) -> None:
+        """sync() for a tree call's timing only: a failure loses that measurement (counted in
+        sync_errors), not the call; a device error that persists fails the next forward."""
+        try:
+            self.sync()
+        except Exception as e:
+            self.sync_errors += 1
+            if self.sync_errors == 1:
+                _log.warning(
+                    "%s side: a timing sync failed (%r), timings may be short", self.name, e
+                )
 
     def bookkeeping(self, op: str = "other") -> BookkeepingTimer:
         """`with side.bookkeeping(op):` times a tree call into bookkeeping_s (by op)."""

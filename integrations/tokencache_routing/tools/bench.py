@@ -386,7 +386,15 @@ def run(
                   "catchup_kv_context": sum(kvs), "catchup_kv_read": read,
                   "catchup_kv_floor": least, "catchups_sharing": shared_catchups,
                   "catchup_most_groups": most_groups}  # fmt: skip
-    assert eng.idle_invariant(), f"{system}: engine not idle after the run"
+    # A failed request first: its error says why (a device error ends requests and can leave
+    # the engine not idle too, which would hide it).
+    failed = [h for h in handles if h.finished_reason == "error"]
+    assert not failed, f"{system}: {len(failed)} requests failed, first: {failed[0].error!r}"
+    if not eng.idle_invariant():
+        kv = {k: v for k, v in eng.metrics().items() if k.endswith(("_used", "_cached", "_pinned"))}
+        raise AssertionError(f"{system}: engine not idle after the run: {kv}")
+    # Tree-call timings the device refused to synchronise (ModelSide.timing_sync): 0 expected.
+    extra["timing_sync_errors"] = sum(side.sync_errors for side in eng.sides)
     # EOS-free: every request wrote all its tokens, whatever system routed them.
     assert all(len(h.tokens) == max_new for h in handles), f"{system}: a request ended early"
     if trace is not None and eng.topology == "one-device":
