@@ -80,7 +80,7 @@ def test_roofline_profile_is_the_bound_times_its_slack() -> None:
     clock = GpuClock(profile="h200-roofline")
     small = clock.forward_s(SMALL, 32, 32, 32 * 2048)
     large = clock.forward_s(LARGE, 32, 32, 32 * 2048)
-    assert 1.5e-3 < small < 4e-3 and 5e-3 < large < 12e-3  # issue 9's targets are 3 and 8 ms
+    assert 1.5e-3 < small < 4e-3 and 5e-3 < large < 12e-3  # the runner's targets are 3 and 8 ms
     assert clock.forward_s(SMALL, 32, 32, 32 * 8192) > small  # more KV to read
     roof = Roofline.of("qwen3-8b")
     prefill = clock.forward_s(LARGE, 1, 4096, 4096)

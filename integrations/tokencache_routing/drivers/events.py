@@ -182,8 +182,8 @@ class EventLoop:
         host clock and a device queue instead, _start_on_device): "serial", the GPU waits for
         all of the host's work (scheduling, the runner's preparation, sampling, the router,
         commits, the trees); "overlap", max(host, device): a projection of an overlapped host
-        path, kept to compare; "trees", only the tree calls (the clock before issue 20, kept
-        to compare). The step clock charges no host time (a pure function of the schedule)."""
+        path, kept to compare; "trees", only the tree calls (an engine that charged no other
+        host time, kept to compare). The step clock charges no host time (a pure function of the schedule)."""
         if self.eng.clock == "steps":
             return device_s
         if self.eng.host_charge == "serial":

@@ -25,7 +25,7 @@ Profiles:
   step at any batch; multi-token catch-ups far above their work). That runner read each row's
   KV itself: shared_prefix False (as for clocks fitted with GpuClock.fit, unless asked).
 - "h200-roofline": no measurement: weights + KV read once at the device's bandwidth, or the
-  FLOPs at its peak, whichever is larger, times 1.5 (issue 9's target for the runner). A model of
+  FLOPs at its peak, whichever is larger, times 1.5 (the runner's target). A model of
   the runner being built, which reads a shared prefix once (shared_prefix True by default): a
   runner that does not exist yet, labelled as such wherever it is used.
 """
