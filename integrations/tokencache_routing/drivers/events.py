@@ -183,7 +183,8 @@ class EventLoop:
         all of the host's work (scheduling, the runner's preparation, sampling, the router,
         commits, the trees); "overlap", max(host, device): a projection of an overlapped host
         path, kept to compare; "trees", only the tree calls (an engine that charged no other
-        host time, kept to compare). The step clock charges no host time (a pure function of the schedule)."""
+        host time, kept to compare). The step clock charges no host time (a pure function of
+        the schedule)."""
         if self.eng.clock == "steps":
             return device_s
         if self.eng.host_charge == "serial":
