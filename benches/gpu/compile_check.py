@@ -57,7 +57,7 @@ EXPECTED_KERNELS = (
     "_shared_prefix_kernel",
     "_merge_splits_kernel",
     "_add_rmsnorm_kernel",
-    "_qk_norm_rope_kernel",
+    "_qkv_norm_rope_store_kernel",
     "_silu_mul_kernel",
 )
 

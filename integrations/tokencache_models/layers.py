@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -89,6 +90,65 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+class MergedLinear:
+    """Several nn.Linear over one input as one GEMM (q/k/v; gate/up): their weights (and
+    biases) concatenated along the output features in one buffer, output features in the
+    order given.
+
+    The Linears stay what checkpoints, sharding and truncation see (HF names, one Parameter
+    each); their parameters are re-pointed to views of the buffer, so memory is not doubled
+    and in-place writes (load_state_dict's copy_) land in it. A parameter replaced or moved
+    (Module.to() swaps `.data`, sharding assigns new Linears) no longer sits where the merge
+    put it: each call compares the parameters' identities and addresses with the merge's
+    (a few host calls) and merges again when they differ, i.e. on the first call and after
+    such a change, never in a CUDA graph's capture (its warm-up call merges)."""
+
+    def __init__(self) -> None:
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self._key: tuple[int, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The buffer travels as the Linears' parameters; the receiver merges again.
+        return {"weight": None, "bias": None, "_key": ()}
+
+    @staticmethod
+    def _key_of(linears: Sequence[nn.Linear]) -> tuple[int, ...]:
+        key: list[int] = []
+        for lin in linears:
+            for p in (lin.weight, lin.bias):
+                if p is not None:
+                    key += (id(p), p.data_ptr())
+        return tuple(key)
+
+    def __call__(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor:
+        if self._key_of(linears) != self._key:
+            self.merge(linears)
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+    def merge(self, linears: Sequence[nn.Linear]) -> None:
+        biases = [lin.bias for lin in linears]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            raise ValueError("merged Linears must all have a bias or none")
+        # Outside inference mode: the buffer becomes the parameters' storage, which must stay
+        # writable by load_state_dict after the forward that merged.
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([lin.weight.detach() for lin in linears])
+            bias = None
+            if biases[0] is not None:
+                bias = torch.cat([b.detach() for b in biases if b is not None])
+            o = 0
+            for lin in linears:
+                n = lin.weight.shape[0]
+                lin.weight.data = weight[o : o + n]
+                if bias is not None:
+                    lin.bias.data = bias[o : o + n]
+                o += n
+        self.weight, self.bias = weight, bias
+        self._key = self._key_of(linears)
+
+
 class SwiGLUMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -96,7 +156,13 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_up = MergedLinear()
+
+    def gate_up_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * I]: gate's features, then up's (one GEMM)."""
+        return self.gate_up(x, (self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out

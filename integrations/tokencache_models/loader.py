@@ -35,6 +35,7 @@ def empty_model(
         model = CausalLM(config, attention_backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty re-creates parameters one by one, untying shared ones
+    model.merge_projections()  # before any weight is written: loads land in the merged buffers
     return model.eval()
 
 

@@ -19,7 +19,7 @@ from .context import ForwardContext, ForwardOutput, HostBatch
 from .epilogue import Epilogue
 from .executor import ModelExecutor, PreparedStep, TPHooks
 from .kv_pool import KVPool
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from .layers import MergedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
 from .parallel import TPGroup
 
 # Re-exported where they used to live (ForwardOutput: context; PreparedStep, TPHooks: executor).
@@ -72,38 +72,51 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.qkv = MergedLinear()
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
+    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, (heads + 2 * kv_heads) * head_dim]: q's features, then k's, then v's (one GEMM)."""
+        return self.qkv(x, (self.q_proj, self.k_proj, self.v_proj))
+
     def forward(self, x: torch.Tensor, lc: LayerContext) -> torch.Tensor:
         ctx = lc.ctx
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        # The store views include the scratch row that padding tokens write.
+        k_cache, v_cache = lc.pool.k_store[self.layer_idx], lc.pool.v_store[self.layer_idx]
         if lc.fused:
-            from .fused import qk_norm_rope
+            from .fused import qkv_norm_rope_store
 
             assert lc.inv_freq is not None
             qw = self.q_norm.weight if self.qk_norm else None
             kw = self.k_norm.weight if self.qk_norm else None
             eps = self.q_norm.eps if self.qk_norm else 0.0
-            q = qk_norm_rope(q, ctx.positions, lc.inv_freq, qw, eps)
-            k = qk_norm_rope(k, ctx.positions, lc.inv_freq, kw, eps)
+            # K/V land in the pool before attention, which then reads prefix and new tokens
+            # uniformly; q comes back in the cache dtype (no cast of its own).
+            q = qkv_norm_rope_store(
+                qkv, h, kvh, ctx.positions, ctx.out_slots, lc.inv_freq, qw, kw, eps, k_cache,
+                v_cache,
+            )  # fmt: skip
         else:
             assert lc.cos is not None and lc.sin is not None
+            q = qkv[:, : h * d].view(t, h, d)
+            k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, lc.cos, lc.sin), apply_rope(k, lc.cos, lc.sin)
-        # The store views include the scratch row that padding tokens write.
-        k_cache, v_cache = lc.pool.k_store[self.layer_idx], lc.pool.v_store[self.layer_idx]
-        # Write every new token's K/V first, so attention reads prefix and new tokens uniformly.
-        k_cache.index_copy_(0, ctx.out_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.out_slots, v.to(v_cache.dtype))
-        o = lc.backend.forward(q.to(k_cache.dtype), k_cache, v_cache, ctx, lc.attn, self.scale)
-        out: torch.Tensor = self.o_proj(o.to(x.dtype).reshape(t, self.num_heads * self.head_dim))
+            # Write every new token's K/V first, so attention reads prefix and new tokens
+            # uniformly.
+            k_cache.index_copy_(0, ctx.out_slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, ctx.out_slots, v.to(v_cache.dtype))
+            q = q.to(k_cache.dtype)
+        o = lc.backend.forward(q, k_cache, v_cache, ctx, lc.attn, self.scale)
+        out: torch.Tensor = self.o_proj(o.to(x.dtype).reshape(t, h * d))
         return out
 
 
@@ -131,7 +144,7 @@ class DecoderLayer(nn.Module):
         n1, n2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
         y, residual = add_rmsnorm(h, residual, n1.weight, n1.eps)
         y, residual = add_rmsnorm(self.self_attn(y, lc), residual, n2.weight, n2.eps)
-        out: torch.Tensor = mlp.down_proj(silu_mul(mlp.gate_proj(y), mlp.up_proj(y)))
+        out: torch.Tensor = mlp.down_proj(silu_mul(mlp.gate_up_proj(y)))
         return out, residual
 
 
@@ -187,6 +200,16 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def merge_projections(self) -> None:
+        """Each layer's q/k/v and gate/up weights into one buffer each (MergedLinear), now
+        rather than on the first forward: the loaders then copy a checkpoint straight into the
+        merged buffers, and no forward allocates them."""
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv.merge((attn.q_proj, attn.k_proj, attn.v_proj))
+            mlp.gate_up.merge((mlp.gate_proj, mlp.up_proj))
 
     @property
     def device(self) -> torch.device:
@@ -260,22 +283,31 @@ class CausalLM(nn.Module):
         made once here, in a frozen LayerContext, before the first layer."""
         attn = backend.prepare(ctx)
         x = self.model.embed_tokens(ctx.token_ids)
+        # Only each request's last token needs the final norm and the head. Padding rows go
+        # through the head too (same GEMM shapes as the graph, hence the same rounding), then drop.
+        last, norm = ctx.last_token, self.model.norm
         if self.uses_fusions():
+            from .fused import add_rmsnorm
+
             inv_freq = self.rotary.inv_freq(x.device)
             lc = LayerContext(ctx, pool, backend, attn, fused=True, inv_freq=inv_freq)
             residual = None
             for layer in self.model.layers:
                 x, residual = cast(DecoderLayer, layer).forward_fused(x, residual, lc)
-            if residual is not None:
-                x = x + residual
+            if residual is not None and type(norm) is RMSNorm:
+                # The last residual add joins the final norm, over the last tokens only. An
+                # early-exit head (an RMSNorm subclass) keeps its own forward.
+                x, residual = x.index_select(0, last), residual.index_select(0, last)
+                hidden, _ = add_rmsnorm(x, residual, norm.weight, norm.eps)
+            else:
+                x = x if residual is None else x + residual
+                hidden = norm(x.index_select(0, last))
         else:
             cos, sin = self.rotary(ctx.positions, x.dtype)
             lc = LayerContext(ctx, pool, backend, attn, fused=False, cos=cos, sin=sin)
             for layer in self.model.layers:
                 x = layer(x, lc)
-        # Only each request's last token needs the final norm and the head. Padding rows go
-        # through the head too (same GEMM shapes as the graph, hence the same rounding), then drop.
-        hidden = self.model.norm(x.index_select(0, ctx.last_token))
+            hidden = norm(x.index_select(0, last))
         logits = self.lm_head(hidden).float()
         if ctx.num_real < ctx.num_requests:
             hidden, logits = hidden[: ctx.num_real], logits[: ctx.num_real]

@@ -107,6 +107,7 @@ def build_shard(
         raise RuntimeError(f"shard left parameters unset: {left[:4]}")
     model.tp_group = tp
     model.shard_config = local
+    model.merge_projections()  # this rank's q/k/v and gate/up slices, one GEMM each
     return model.eval()
 
 

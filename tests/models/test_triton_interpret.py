@@ -424,7 +424,7 @@ import dataclasses
 from torch.nn import functional as F
 from tokencache_models import QWEN3_0_6B, random_model
 from tokencache_models.config import ModelConfig
-from tokencache_models.fused import add_rmsnorm, qk_norm_rope, silu_mul
+from tokencache_models.fused import add_rmsnorm, qkv_norm_rope_store, silu_mul
 from tokencache_models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 def close(a, b, dtype):
@@ -447,35 +447,65 @@ for dtype in (torch.float32, torch.bfloat16):
     assert res is x
     close(y, norm(x).detach(), dtype)
 
+    # q/k norms + RoPE + the K/V write from a merged projection (4 q heads, 2 kv heads, GQA 2;
+    # a row stride wider than the row, as a view would have), into scattered pool rows of a
+    # cache in the model dtype and in fp32 (the cast absorbed).
     cfg = ModelConfig("qwen3", 10, 32, 64, 1, 4, 2, head_dim=16, rope_theta=1e6)
     rot = RotaryEmbedding(cfg)
     pos = torch.tensor([0, 1, 2, 700, 8191, 5, 4096])
-    q = torch.randn(7, 4, 16).to(dtype)
-    qn = RMSNorm(16, 1e-6).to(dtype)
+    slots = torch.tensor([9, 3, 17, 0, 12, 5, 30])
+    qkv = torch.randn(7, 8 * 16 + 5).to(dtype)[:, : 8 * 16]
+    q, k, v = (t.reshape(7, -1, 16) for t in qkv.split((64, 32, 32), dim=-1))
+    qn, kn = RMSNorm(16, 1e-6).to(dtype), RMSNorm(16, 1e-6).to(dtype)
     with torch.no_grad():
         qn.weight.normal_(1.0, 0.3)
+        kn.weight.normal_(1.0, 0.3)
     cos, sin = rot(pos, dtype)
     inv = rot.inv_freq(torch.device("cpu"))
-    ref = apply_rope(qn(q), cos, sin).detach()
-    close(qk_norm_rope(q, pos, inv, qn.weight.detach(), qn.eps), ref, dtype)
-    close(qk_norm_rope(q, pos, inv, None, 0.0), apply_rope(q, cos, sin), dtype)
+    for cache_dtype in (dtype, torch.float32):
+        for norms in ((qn, kn), (None, None)):
+            kc = torch.zeros(33, 2, 16, dtype=cache_dtype)
+            vc = torch.zeros(33, 2, 16, dtype=cache_dtype)
+            qw, kw = (n.weight.detach() if n is not None else None for n in norms)
+            got = qkv_norm_rope_store(qkv, 4, 2, pos, slots, inv, qw, kw, 1e-6, kc, vc)
+            q_ref = qn(q).detach() if norms[0] is not None else q
+            k_ref = kn(k).detach() if norms[1] is not None else k
+            assert got.dtype == cache_dtype and got.shape == (7, 4, 16)
+            close(got, apply_rope(q_ref, cos, sin), dtype)
+            close(kc[slots], apply_rope(k_ref, cos, sin), dtype)
+            assert torch.equal(vc[slots], v.to(cache_dtype))
+            untouched = torch.ones(33, dtype=torch.bool)
+            untouched[slots] = False
+            assert not kc[untouched].any() and not vc[untouched].any()
 
-    g, u = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
-    close(silu_mul(g, u), F.silu(g) * u, dtype)
+    # silu(gate) * up read from the merged [T, 2I] output, through a strided view.
+    gu = torch.randn(5, 2 * 96 + 3).to(dtype)[:, : 2 * 96]
+    g, u = gu.chunk(2, dim=-1)
+    close(silu_mul(gu), F.silu(g) * u, dtype)
 
 base = dataclasses.replace(
     QWEN3_0_6B, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
 )
-# Qwen3 (fused q/k norms) with the Triton attention, Llama (RoPE only) with the torch one.
-for cfg, backend in ((base, "triton"), (dataclasses.replace(base, model_type="llama"), "torch")):
+# Qwen3 (fused q/k norms) and Qwen2 (q/k/v biases, no norms) with the Triton attention, Llama
+# (RoPE only) with the torch one: prefill, a catch-up over the cached context, decode.
+families = (
+    (base, "triton"),
+    (dataclasses.replace(base, model_type="qwen2"), "triton"),
+    (dataclasses.replace(base, model_type="llama"), "torch"),
+)
+for cfg, backend in families:
     model = random_model(cfg, seed=0, std=0.2, attention_backend=backend)
     pools = [model.make_kv_pool(64), model.make_kv_pool(64)]
     a, b = pools[0].alloc(9), pools[0].alloc(4)
+    a2, b2 = pools[0].alloc(3), pools[0].alloc(3)
     d1, d2 = pools[0].alloc(1), pools[0].alloc(1)
     batches = (
         ForwardBatch.from_requests([list(range(9)), [1, 2, 3, 4]], [[], []], [a, b]),
-        ForwardBatch.from_requests([[5], [6]], [a, b], [d1, d2]),
+        ForwardBatch.from_requests([[5, 6, 7], [8, 9, 10]], [a, b], [a2, b2]),
+        ForwardBatch.from_requests(
+            [[5], [6]], [torch.cat((a, a2)), torch.cat((b, b2))], [d1, d2]
+        ),
     )
     for batch in batches:
         outs = []
@@ -484,7 +514,10 @@ for cfg, backend in ((base, "triton"), (dataclasses.replace(base, model_type="ll
             outs.append(model(batch, pool))
         err = (outs[0].logits - outs[1].logits).abs().max().item()
         assert err < 1e-4, (cfg.model_type, backend, err)
+        assert torch.equal(outs[0].logits.argmax(-1), outs[1].logits.argmax(-1))
+        assert (outs[0].hidden - outs[1].hidden).abs().max().item() < 1e-4
     assert torch.allclose(pools[0].k, pools[1].k, atol=1e-5)
+    assert torch.allclose(pools[0].v, pools[1].v, atol=1e-5)
 print("OK")
 """
 
