@@ -396,22 +396,19 @@ def check_extend_graphs_vs_eager(
     }
 
 
-def launches_per_layer(model: CausalLM, path: str, fn: Callable[[], Any], graphed: bool) -> Any:
-    """Kernel launches per decoder layer of one call of the row's forward, counted on its
-    kernels run eagerly (a graph replays the same launches); None where the counter is
-    missing."""
+def launches_per_layer(model: CausalLM, fn: Callable[[], Any]) -> Any:
+    """Kernel launches per decoder layer of one call of fn, a path's forward run eagerly (a
+    graph replays the launches its eager body makes); None where the counter is missing."""
     try:
         from tokencache_models.launches import count_launches
     except ImportError:
         return None
-    executor = model.executor
-    switches = executor.decode_graphs, executor.extend_graphs
     try:
-        return count_launches(model, fn, eager=graphed).per_layer
+        with count_launches(model.model.layers) as counter:
+            fn()
+        return counter.result.kernels_per_layer
     except Exception as e:  # the count is a side fact of the row: never its failure
         return f"{type(e).__name__}: {e}"[:100]
-    finally:
-        executor.decode_graphs, executor.extend_graphs = switches
 
 
 def check_catchup_paths(
@@ -506,7 +503,14 @@ def bench_model(
                 check_shared_prefix(model, pool, perm, (bs, ctx, max(own, 11), prompts), 10)
             )
 
-    def timed(row: dict[str, Any], fn: Callable[[], Any], tokens: int, kv_tokens: int) -> None:
+    def timed(
+        row: dict[str, Any],
+        fn: Callable[[], Any],
+        tokens: int,
+        kv_tokens: int,
+        eager: Callable[[], Any] | None = None,
+    ) -> None:
+        """eager: the same forward without graphs, for the launch count of a graphs row."""
         row["kv_tokens"] = kv_tokens  # KV slots the step reads at least (what the clock fits)
         if time.monotonic() > deadline:
             row["skipped"] = "time budget"
@@ -527,7 +531,7 @@ def bench_model(
                 runner = paths.runner(row["kind"]) if graphed else None
                 if runner is not None and runner.use_graphs:
                     row["graph_replays"] = runner.replays - before
-                row["launches_per_layer"] = launches_per_layer(model, row["path"], fn, graphed)
+                row["launches_per_layer"] = launches_per_layer(model, eager or fn)
             except Exception as e:  # record OOM / compile errors and go on
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 if cuda:
@@ -540,14 +544,16 @@ def bench_model(
         for path in args.paths.split(","):
             row = {"model": name, "kind": "decode", "path": path, "batch": bs}
             row["context"] = args.context
-            timed(row, paths.call(path, batch), bs, bs * args.context)
+            eager = paths.call("eager", batch) if path == "graphs" else None
+            timed(row, paths.call(path, batch), bs, bs * args.context, eager)
 
     def catch_up(k: int, t: int, ctx: int) -> None:
         batch = catchup_batch(k, t, ctx, perm, config.vocab_size)
         for path in args.paths.split(","):
             row = {"model": name, "kind": "catch-up", "path": path, "batch": k, "context": ctx}
             row["new_tokens"] = t
-            timed(row, paths.call(path, batch), k * t, k * ctx)
+            eager = paths.call("eager", batch) if path == "graphs" else None
+            timed(row, paths.call(path, batch), k * t, k * ctx, eager)
 
     def shared_decode(bs: int, ctx: int, own: int, prompts: int) -> None:
         batch = shared_decode_batch(bs, ctx, own, perm, config.vocab_size, prompts=prompts)
