@@ -144,6 +144,7 @@ class ExtendGraphRunner:
         self._mempool: Any = None
         self.replays = 0  # forwards served by a graph (tests and benches read it)
         self.captures = 0  # graphs captured so far
+        self._split_counts: dict[tuple[int, int], int] = {}  # (rows, q_width) -> splits
         # Warm-up (capture_all): the keys made ready, and the steps since that came outside
         # them (a capture, or on CUDA a compile, while serving).
         self.warm_keys: set[ExtendKey] = set()
@@ -188,6 +189,9 @@ class ExtendGraphRunner:
         rows of q_width tokens chooses at a long context, rounded up to a power of two."""
         if not self.triton:
             return 0
+        known = self._split_counts.get((rows, q_width))
+        if known is not None:  # a function of the key: computed once per key
+            return known
         from .triton_splitkv import kv_block
         from .triton_varlen import varlen_grid
 
@@ -202,7 +206,8 @@ class ExtendGraphRunner:
             block,
             block,
         )[3]
-        return 1 << (splits - 1).bit_length()
+        splits = self._split_counts[rows, q_width] = 1 << (splits - 1).bit_length()
+        return splits
 
     # -- a step --------------------------------------------------------------------------
 
