@@ -7,7 +7,7 @@ scheduler, prepare_forward and the slot table, the runner's preparation (HostBat
 shared-prefix groups and tile tables, the copy into the step's buffers), sampling, the router,
 the commits and the trees, and the event loop's work between steps (intake, aborts,
 admission). Host time is this thread's CPU time of each step minus the stub's
-(the engine's own accounting: Stats.small_host_s, RoutedEngine(host_charge=...)), so other
+(the engine's own accounting: Stats.small_host_s, EngineConfig(host_charge=...)), so other
 processes on a shared machine do not inflate it.
 
 `--runner gpu` prepares what the GPU runner does (Triton backend's shared-prefix tables,
@@ -55,9 +55,10 @@ from tokencache_models import (  # noqa: E402
     ModelConfig,
     random_model,
 )
-from tokencache_models.stub import stub_execute  # noqa: E402
+from tokencache_models.testing.stubbed_device import stub_execute  # noqa: E402
 from tokencache_routing import (  # noqa: E402
     BernoulliRouter,
+    EngineConfig,
     EntropyRouter,
     RoutedEngine,
     SchedulerConfig,
@@ -118,12 +119,14 @@ def _engine(
         small,
         large,
         router,
-        num_slots=slots,
-        scheduler=SchedulerConfig(
-            max_running=batch, min_large_batch=catchup_batch, max_wait_steps=1000
+        config=EngineConfig(
+            num_slots=slots,
+            scheduler=SchedulerConfig(
+                max_running=batch, min_large_batch=catchup_batch, max_wait_steps=1000
+            ),
+            clock=GpuClock(profile="h200-roofline"),
+            overlap=overlap,
         ),
-        clock=GpuClock(profile="h200-roofline"),
-        overlap=overlap,
     )
 
 
@@ -176,21 +179,29 @@ def calls_per_step(
 # each call wrapped with two thread_time reads (the wrappers add to what they time: read the
 # shares, not the sums).
 PHASES = (
-    ("schedule_small", "tokencache_routing.core.scheduler", "Scheduler.schedule_small"),
-    ("  _plan", "tokencache_routing.core.scheduler", "Scheduler._plan"),
-    ("  prepare_forward", "tokencache_routing.core.scheduler", "prepare_forward"),
+    ("schedule_small", "tokencache_routing.core.batch_planning", "BatchPlanning.schedule_small"),
+    ("  _plan", "tokencache_routing.core.batch_planning", "BatchPlanning._plan"),
+    ("  prepare_forward", "tokencache_routing.core.batch_planning", "prepare_forward"),
     ("runner preparation", "tokencache_models.model", "CausalLM.prepare"),
-    ("  prefix tables", "tokencache_models.graphs", "DecodeGraphRunner._prefix_tables"),
-    ("  buffers", "tokencache_models.graphs", "DecodeGraphRunner._load"),
+    (
+        "  prefix tables",
+        "tokencache_models.executor.decode_graphs",
+        "DecodeGraphRunner._prefix_tables",
+    ),
+    ("  buffers", "tokencache_models.executor.decode_graphs", "DecodeGraphRunner._load"),
     ("draw", "tokencache_routing.core.batch", "draw"),
     ("route", "tokencache_routing.core.batch", "route"),
-    ("finish_small", "tokencache_routing.core.scheduler", "Scheduler.finish_small"),
+    ("finish_small", "tokencache_routing.core.forward_finishing", "ForwardFinishing.finish_small"),
     ("  commit", "tokencache_routing.core.batch", "PreparedForward.commit"),
     ("  read-backs", "tokencache_routing.core.sampling", "Decisions.resolve"),
     ("  read-backs", "tokencache_routing.core.sampling", "Draw.resolve"),
     ("intake, aborts, admission", "tokencache_routing.engine", "RoutedEngine.intake"),
-    ("intake, aborts, admission", "tokencache_routing.core.scheduler", "Scheduler.apply_aborts"),
-    ("intake, aborts, admission", "tokencache_routing.core.scheduler", "Scheduler.admit"),
+    (
+        "intake, aborts, admission",
+        "tokencache_routing.core.request_lists",
+        "RequestLists.apply_aborts",
+    ),
+    ("intake, aborts, admission", "tokencache_routing.core.admission", "Admission.admit"),
 )
 
 
@@ -343,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )  # fmt: skip
     ap.add_argument(
         "--overlap", choices=("on", "off"), nargs="+", default=["on", "off"],
-        help="the engine's overlapped scheduling (RoutedEngine(overlap=...))",
+        help="the engine's overlapped scheduling (EngineConfig(overlap=...))",
     )  # fmt: skip
     ap.add_argument(
         "--calls", action="store_true",

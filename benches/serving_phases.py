@@ -1,9 +1,9 @@
 """Thread time per call of the scheduler's phases inside the serving benchmark, and what the
 device waited for.
 
-    python benches/serving_phases.py [tokencache_routing.bench arguments]
+    python benches/serving_phases.py [python -m tokencache_routing bench arguments]
 
-Runs `python -m tokencache_routing.bench` with its arguments (default: the shared-prompt
+Runs `python -m tokencache_routing bench` with its arguments (default: the shared-prompt
 workload at 8192, p = 0.1, tokencache only, stubbed device work) and each phase in PHASES
 wrapped in two `time.thread_time()` reads, then prints calls, total and mean ms per phase.
 Inclusive times; the wrappers add to what they time (read ratios between runs, not sums).
@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
 
-from tokencache_routing.core import scheduler
+from tokencache_routing.core import admission, batch_planning, forward_finishing
 from tokencache_routing.core.state import LARGE
 from tokencache_routing.drivers import events
 
@@ -35,12 +35,12 @@ DEFAULT = [
 
 # (label, owner, attribute): where the scheduler looks each one up at call time.
 PHASES = (
-    ("admit", scheduler.Scheduler, "admit"),
-    ("schedule_small", scheduler.Scheduler, "schedule_small"),
-    ("finish_small", scheduler.Scheduler, "finish_small"),
-    ("schedule_large", scheduler.Scheduler, "schedule_large"),
-    ("  take_catchup_batch", scheduler, "take_catchup_batch"),
-    ("finish_large", scheduler.Scheduler, "finish_large"),
+    ("admit", admission.Admission, "admit"),
+    ("schedule_small", batch_planning.BatchPlanning, "schedule_small"),
+    ("finish_small", forward_finishing.ForwardFinishing, "finish_small"),
+    ("schedule_large", batch_planning.BatchPlanning, "schedule_large"),
+    ("  take_catchup_batch", batch_planning, "take_catchup_batch"),
+    ("finish_large", forward_finishing.ForwardFinishing, "finish_large"),
 )
 
 # The device's idle on the engine clock, by the launch it waited for (timed_phases' spent).
@@ -95,7 +95,7 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    from tokencache_routing.bench import main as bench
+    from tokencache_routing.tools.bench import main as bench
 
     with timed_phases() as spent:
         bench(list(argv) if argv else DEFAULT)

@@ -23,7 +23,7 @@ Before timing, graphs are checked against eager on an fp32 model (logits within 
 greedy tokens over 64 steps; catch-up graphs over rounds of catch-ups, likewise) and the Triton
 catch-up path against the torch one. A model too large for fp32 is checked on its first
 CHECK_LAYERS layers. Every row also records the forward's kernel launches per decoder layer
-(tokencache_models.launches, counted on one eager call of that path's kernels).
+(tokencache_models.testing.launch_counter, counted on one eager call of that path's kernels).
 Writes <device>-<date>.json to --out, else $OUT, else benches/gpu/results/ (GPU runs only).
 """
 
@@ -58,10 +58,10 @@ from tokencache_models import (  # noqa: E402
     random_model,
 )
 from tokencache_models.config import ModelConfig  # noqa: E402
-from tokencache_models.context import HostBatch  # noqa: E402
-from tokencache_models.extend_graphs import ExtendGraphRunner  # noqa: E402
-from tokencache_models.graphs import DecodeGraphRunner  # noqa: E402
-from tokencache_models.prefix_plan import PrefixShape  # noqa: E402
+from tokencache_models.executor.decode_graphs import DecodeGraphRunner  # noqa: E402
+from tokencache_models.executor.extend_graphs import ExtendGraphRunner  # noqa: E402
+from tokencache_models.forward.context import HostBatch  # noqa: E402
+from tokencache_models.shared_prefix.shape import PrefixShape  # noqa: E402
 
 # The batch sizes the decode targets name: timed first, so a short budget still measures them.
 TARGET_BATCHES = (1, 32)
@@ -400,7 +400,7 @@ def launches_per_layer(model: CausalLM, fn: Callable[[], Any]) -> Any:
     """Kernel launches per decoder layer of one call of fn, a path's forward run eagerly (a
     graph replays the launches its eager body makes); None where the counter is missing."""
     try:
-        from tokencache_models.launches import count_launches
+        from tokencache_models.testing.launch_counter import count_launches
     except ImportError:
         return None
     try:

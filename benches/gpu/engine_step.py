@@ -3,7 +3,7 @@
 For each context L: 32 requests behind one shared prompt of L - 16 tokens (16 of their own)
 decode on a Qwen3-0.6B-shaped model (random bf16 weights, CUDA graphs; the large model is the
 same network, never used: the router never escalates), once with overlapped scheduling
-(`RoutedEngine(overlap=True)`, the tokencache default: the next small step is prepared and
+(`EngineConfig(overlap=True)`, the tokencache default: the next small step is prepared and
 launched while the device runs the current one) and once without (`overlap=False`, the serial
 path). Per row (medians over --steps unless said):
   engine_ms:        RoutedEngine.iterate() end to end as a server runs it: --steps iterations
@@ -71,7 +71,7 @@ from tokencache_models import (  # noqa: E402
     ModelConfig,
     random_model,
 )
-from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
+from tokencache_routing import EngineConfig, EntropyRouter, RoutedEngine, SchedulerConfig  # noqa: E402
 from tokencache_routing.core.sampling import Readback  # noqa: E402
 
 SMOKE_CONFIG = ModelConfig(
@@ -156,10 +156,12 @@ def engine_row(
             model,
             model,
             EntropyRouter(math.inf),
-            num_slots=context + batch * (OWN + 2 * steps + 48) + 64,
-            scheduler=SchedulerConfig(max_running=batch),
-            clock="measured",
-            overlap=overlap,
+            config=EngineConfig(
+                num_slots=context + batch * (OWN + 2 * steps + 48) + 64,
+                scheduler=SchedulerConfig(max_running=batch),
+                clock="measured",
+                overlap=overlap,
+            ),
         )
         # Made with the engine (ModelExecutor.prepare_runner), not in a first step: 1 on CUDA.
         runners_at_start = len(model.executor.runners(eng.small.pool))

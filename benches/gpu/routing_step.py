@@ -1,4 +1,4 @@
-"""The routing serving benchmark (tokencache_routing.bench) at real shapes on a GPU.
+"""The routing serving benchmark (tokencache_routing.tools.bench) at real shapes on a GPU.
 
 Run on a CUDA machine (no network needed):   python benches/gpu/routing_step.py
     --large qwen3-32b   a 32B-shaped large model instead of 8B
@@ -8,7 +8,7 @@ Run on a CUDA machine (no network needed):   python benches/gpu/routing_step.py
                         tokencache, the large model alone and naive-sglang first (the targets), then
                         tokencache without overlap, naive, the bounds; per-step breakdown over
                         the last 128 small steps (tree calls synchronised)
-    --overlap both|on|off tokencache with overlapped scheduling (RoutedEngine(overlap=True), the
+    --overlap both|on|off tokencache with overlapped scheduling (EngineConfig(overlap=True), the
                         default), without it (the serial path: system "tokencache (serial)"),
                         or both (default; the serial row right after the target pair)
     --smoke             the same code path on CPU with tiny configs, in seconds
@@ -47,7 +47,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "integrations"))  # runs from a checkout without installing
 
 from tokencache_models import PRESETS, ModelConfig, random_model  # noqa: E402
-from tokencache_routing.tools import bench, bench_workloads  # noqa: E402
+from tokencache_routing.tools import (  # noqa: E402
+    bench_prompts,
+    bench_report,
+    bench_rows,
+    bench_run,
+    bench_workloads,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rates", type=float, nargs="+", default=None, help="0.05 0.1 0.2; reasoning 0.1"
     )
-    p.add_argument("--dispatches", nargs="+", choices=bench.SYSTEMS, default=None)
+    p.add_argument("--dispatches", nargs="+", choices=bench_rows.SYSTEMS, default=None)
     p.add_argument(
         "--overlap",
         dest="tokencache_overlap",
@@ -103,14 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warm-up",
         choices=["pass", "full", "none"],
         default="pass",
-        help="before each row's timed window (tokencache_routing.bench --warm-up): pass, full "
-        "or none",
+        help="before each row's timed window (python -m tokencache_routing bench --warm-up): "
+        "pass, full or none",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny configs on CPU (checks the script)")
     a = p.parse_args(argv)
     a.clock, a.profile = "measured", "measured"
-    a.no_overlap = False  # per row (bench.run reads it): the serial path for tokencache
+    a.no_overlap = False  # per row (bench_run.run reads it): the serial path for tokencache
     a.small_shape, a.large_shape = a.small, a.large
     a.topology = "two-devices" if a.two_devices else "one-device"
     a.system_tokens = None  # shared-prompt: the system prompt fills each context
@@ -128,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.requests_per_slot = 4
         a.max_new, a.unique_prompt = a.max_new or 32, a.unique_prompt or 32
         a.rates = a.rates or [0.05, 0.1, 0.2]
-        a.dispatches = a.dispatches or list(bench.SYSTEMS)
+        a.dispatches = a.dispatches or list(bench_rows.SYSTEMS)
     a.breakdown_steps = 128
     if a.smoke:
         a.contexts, a.rates, a.max_running, a.min_large_batch = [64], [0.2], 4, 2
@@ -226,7 +232,7 @@ def plan(a: argparse.Namespace) -> list[tuple[int, float, str, bool | None]]:
     routed += [(s, None) for s in a.dispatches if s not in lead]
     first = [p for p in a.rates if p == 0.1] or a.rates[:1]
     rest = [p for p in a.rates if p not in first]
-    bounds = [(b, None) for b in bench.BOUNDS if not (alone and b == "large alone")]
+    bounds = [(b, None) for b in bench_rows.BOUNDS if not (alone and b == "large alone")]
     jobs: list[tuple[int, float, str, bool | None]] = []
     for ctx in a.contexts:
         mine = [(ctx, p, s, o) for p in first for s, o in routed]
@@ -263,14 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     baseline = device_memory()  # the models alone: every row must leave the device so
     result["baseline_memory_bytes"] = baseline
     n = a.requests_per_slot * a.max_running
-    rows: list[bench.Row] = []
+    rows: list[bench_rows.Row] = []
     if a.system_tokens is not None:  # reasoning: one shape, whatever --contexts says
         a.contexts = [a.system_tokens + a.unique_prompt + a.max_new]
     shared_of = {
         ctx: a.system_tokens or max(1, ctx - a.max_new - a.unique_prompt) for ctx in a.contexts
     }
     prompts_of = {
-        ctx: bench.make_prompts(n, shared_of[ctx], a.unique_prompt, vocab, a.seed)
+        ctx: bench_prompts.make_prompts(n, shared_of[ctx], a.unique_prompt, vocab, a.seed)
         for ctx in a.contexts
     }
     jobs = plan(a)
@@ -291,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         t_row = time.perf_counter()
         a.no_overlap = overlap is False
         try:
-            row = bench.run(system, p, prompts, shared, a.max_new, (small, large), a, a.workload)
+            row = bench_run.run(
+                system, p, prompts, shared, a.max_new, (small, large), a, a.workload
+            )
         except Exception as e:  # a row that fails says why; the others still run
             err = {
                 "system": name,
@@ -324,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = time.perf_counter() - t_start
     write(result, a)
     print()
-    order = {s: i for i, s in enumerate([*bench.BOUNDS, *a.dispatches, SERIAL])}
-    print(bench.table(sorted(rows, key=lambda r: (r.context, r.p, order.get(r.system, 99)))))
+    order = {s: i for i, s in enumerate([*bench_rows.BOUNDS, *a.dispatches, SERIAL])}
+    print(bench_report.table(sorted(rows, key=lambda r: (r.context, r.p, order.get(r.system, 99)))))
     if a.workload == "reasoning":
         print(bench_workloads.breakdown_table(rows))
     return 0

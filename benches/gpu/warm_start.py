@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "integrations"))
 import torch  # noqa: E402
 
 from tokencache_models import PRESETS, CausalLM, random_model  # noqa: E402
-from tokencache_routing import BernoulliRouter, RoutedEngine, SchedulerConfig  # noqa: E402
+from tokencache_routing import BernoulliRouter, EngineConfig, RoutedEngine, SchedulerConfig  # noqa: E402
 
 SMOKE_CONFIG = dataclasses.replace(
     PRESETS["qwen3-0.6b"],
@@ -84,7 +84,9 @@ def engine(models: tuple[CausalLM, CausalLM], a: argparse.Namespace) -> RoutedEn
     sched = SchedulerConfig(max_running=4, max_parked=4, chunked_prefill_size=64)
     sched = sched if a.smoke else None
     router = BernoulliRouter(a.p, seed=0)
-    return RoutedEngine(*models, router, num_slots=a.num_slots, scheduler=sched, mode="events")
+    return RoutedEngine(
+        *models, router, config=EngineConfig(num_slots=a.num_slots, scheduler=sched, mode="events")
+    )
 
 
 def ttft(eng: RoutedEngine, prompt: list[int], max_new: int, key: int) -> float:

@@ -5,7 +5,6 @@ per-model slot pool; prefix slots may be shared between requests (read, never re
 """
 
 from .attention import TorchPagedAttention, TritonPagedAttention, make_attention_backend
-from .batch import ForwardBatch
 from .config import (
     PRESETS,
     QWEN3_0_6B,
@@ -16,11 +15,19 @@ from .config import (
     ModelConfig,
     UnsupportedConfigError,
 )
-from .context import DeferredTokens, ForwardContext, ForwardOutput, HostBatch, shared_prefix_len
-from .epilogue import Epilogue
-from .executor import ModelExecutor, PreparedStep
-from .graphs import DecodeGraphRunner
-from .kv_pool import KVPool, SlotAllocator
+from .executor.decode_graphs import DecodeGraphRunner
+from .executor.model_executor import ModelExecutor, PreparedStep
+from .forward.context import (
+    DeferredTokens,
+    ForwardContext,
+    ForwardOutput,
+    HostBatch,
+    shared_prefix_len,
+)
+from .forward.epilogue import Epilogue
+from .forward.forward_batch import ForwardBatch
+from .kv.pool import KVPool, SlotAllocator
+from .kv.slot_table import SlotTable
 from .loader import (
     GGUFModel,
     empty_model,
@@ -34,16 +41,15 @@ from .loader import (
     truncate_model,
 )
 from .model import CausalLM
-from .prefix_groups import (
+from .shared_prefix.groups import (
     MAX_PREFIX_GROUPS,
     PrefixGroup,
     find_prefix_groups,
     paying_groups,
     prefix_traffic,
 )
-from .prefix_plan import MIN_SHARED_PREFIX, PrefixShape
-from .runner import GreedyRunner
-from .slot_table import SlotTable
+from .shared_prefix.shape import MIN_SHARED_PREFIX, PrefixShape
+from .testing.greedy_generation import GreedyRunner
 
 __all__ = [
     "MAX_PREFIX_GROUPS",

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .context import ForwardContext, HostBatch, HostPlan
+from .forward.context import ForwardContext, HostBatch, HostPlan
 
 # A torch multi-token group is padded to [n, Qmax, Lmax]; a request joins the current group
 # while the padded work stays within this factor of the real work (plus a small constant).
@@ -203,7 +203,7 @@ class TritonPagedAttention(TorchPagedAttention):
     (flash-attention style) kernel for prefill / extend / mixed batches; one launch per layer
     either way, shapes from host-known maxima only. shared_prefix (default on): when groups of
     rows start with the same slots (ForwardContext.prefix), a third kernel reads each group's
-    prefix once and the per-row kernels skip it (triton_prefix.py)."""
+    prefix once and the per-row kernels skip it (kernels/shared_prefix_attention.py)."""
 
     name = "triton"
 
@@ -227,13 +227,13 @@ class TritonPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         # Deferred imports: CPU-only users never load triton.
         if ctx.is_decode:
-            from .triton_decode import paged_decode
+            from .kernels.decode_attention import paged_decode
 
             return paged_decode(
                 q, k_cache, v_cache, ctx.kv_slots, ctx.kv_starts, ctx.kv_lens, scale,
                 prefix=ctx.prefix,
             )  # fmt: skip
-        from .triton_varlen import paged_varlen
+        from .kernels.varlen_attention import paged_varlen
 
         return paged_varlen(
             q, k_cache, v_cache, ctx.kv_slots, ctx.q_offsets, ctx.kv_starts, ctx.kv_lens, scale,

@@ -11,7 +11,7 @@ where it was fitted (LayerSkip / early-exit heads, without retraining the layers
 builds the head for the bundled SmolLM2-135M-Instruct: greedy generations of the full model
 from the prompts (one a line, each wrapped in the chat template), the hidden states after layer
 k captured on the way, the fit and --distill-epochs of distillation, a checkpoint (default under
-the cache dir, see cache_dir()). tokencache_routing.labels builds the same head on the train
+the cache dir, see cache_dir()). tokencache_routing.tools.labels builds the same head on the train
 prompts of its own prompt set (what the demo and the quality curve use).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batch import ForwardBatch
+from .forward.forward_batch import ForwardBatch
 from .layers import RMSNorm
 from .loader import truncate_model
 from .model import CausalLM

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from .attention import AttnTables, TorchPagedAttention, make_attention_backend, triton_available
-from .batch import ForwardBatch
 from .config import ModelConfig
-from .context import ForwardContext, ForwardOutput, HostBatch
-from .epilogue import Epilogue
-from .executor import ModelExecutor, PreparedStep, TPHooks
-from .kv_pool import KVPool
+from .executor.model_executor import ModelExecutor, PreparedStep, TPHooks
+from .forward.context import ForwardContext, ForwardOutput, HostBatch
+from .forward.epilogue import Epilogue
+from .forward.forward_batch import ForwardBatch
+from .kv.pool import KVPool
 from .layers import MergedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
-from .parallel import TPGroup
+from .parallel.tp_layers import TPGroup
 
 # Re-exported where they used to live (ForwardOutput: context; PreparedStep, TPHooks: executor).
 __all__ = [
@@ -51,7 +51,7 @@ class LayerContext:
     pool: KVPool
     backend: TorchPagedAttention
     attn: AttnTables  # backend.prepare(ctx)
-    fused: bool  # run the Triton fusions (fused.py) instead of the torch op chains
+    fused: bool  # run the Triton fusions (kernels/fused.py) instead of the torch op chains
     cos: torch.Tensor | None = None  # unfused RoPE
     sin: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None  # fused RoPE: rotary inverse frequencies
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         # The store views include the scratch row that padding tokens write.
         k_cache, v_cache = lc.pool.k_store[self.layer_idx], lc.pool.v_store[self.layer_idx]
         if lc.fused:
-            from .fused import qkv_norm_rope_store
+            from .kernels.fused import qkv_norm_rope_store
 
             assert lc.inv_freq is not None
             qw = self.q_norm.weight if self.qk_norm else None
@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
         """The same layer with the residual adds carried into the next norm (one kernel each):
         takes (h, residual) with x = h + residual (residual None: x = h), returns the pair for
         the next layer."""
-        from .fused import add_rmsnorm, silu_mul
+        from .kernels.fused import add_rmsnorm, silu_mul
 
         n1, n2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
         y, residual = add_rmsnorm(h, residual, n1.weight, n1.eps)
@@ -179,9 +179,9 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.attention_backend_name = attention_backend
         self._backends: dict[str, TorchPagedAttention] = {}
-        # Triton fusions of the elementwise chains (fused.py); None: on when on CUDA.
+        # Triton fusions of the elementwise chains (kernels/fused.py); None: on when on CUDA.
         self.fused: bool | None = None
-        # Tensor parallelism (sharding.build_shard): this rank's group and the shapes it
+        # Tensor parallelism (parallel.sharding.build_shard): this rank's group and the shapes it
         # computes (its heads and KV heads: its pool's and kernels' shapes); `tp` the runtime
         # that mirrors pools and forwards to worker ranks (on the engine's rank only).
         self.tp_group: TPGroup | None = None
@@ -287,7 +287,7 @@ class CausalLM(nn.Module):
         # through the head too (same GEMM shapes as the graph, hence the same rounding), then drop.
         last, norm = ctx.last_token, self.model.norm
         if self.uses_fusions():
-            from .fused import add_rmsnorm
+            from .kernels.fused import add_rmsnorm
 
             inv_freq = self.rotary.inv_freq(x.device)
             lc = LayerContext(ctx, pool, backend, attn, fused=True, inv_freq=inv_freq)

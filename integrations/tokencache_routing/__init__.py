@@ -6,7 +6,7 @@ resumes on the small side. Each model has its own RadixTree over its own KVPool.
 submitted online (RoutedEngine.submit -> RequestHandle); generate() and stream() build on it.
 
 The names below are imported on first use (PEP 562), so that ``python -m
-tokencache_routing.demo --help`` and the other commands start without torch.
+tokencache_routing demo --help`` and the other commands start without torch.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         ScriptedRouter,
         Top1ProbRouter,
     )
-    from .core.scheduler import SchedulerConfig
+    from .core.scheduler_config import SchedulerConfig
     from .core.state import GenerateResult, RequestHandle, SamplingParams, Stats
     from .engine import RoutedEngine
     from .sim.clock import GpuClock
@@ -44,7 +44,7 @@ _HOMES = {
     "RouterFeatures": ".core.routers",
     "ScriptedRouter": ".core.routers",
     "Top1ProbRouter": ".core.routers",
-    "SchedulerConfig": ".core.scheduler",
+    "SchedulerConfig": ".core.scheduler_config",
     "GenerateResult": ".core.state",
     "RequestHandle": ".core.state",
     "SamplingParams": ".core.state",

@@ -22,42 +22,33 @@ queue, charging only what the device waits for (README: "Overlapped scheduling")
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
 import queue
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
-import torch
 
 from tokencache_models import CausalLM, KVPool
-from tokencache_models.tp_worker import ShardFactory
+from tokencache_models.parallel.runtime import ShardFactory
 
 from .baselines.naive import NaiveKV
-from .config import (
-    DEFAULTS,
-    ClockName,
-    Dispatch,
-    EngineConfig,
-    HostCharge,
-    Mode,
-    Topology,
-)
+from .config import EngineConfig, Topology
 from .core.batch import PreparedForward
+from .core.driver_api import Driver
 from .core.kv import CursorKV, ModelSide
+from .core.launch_policy import Price
 from .core.routers import Router
-from .core.scheduler import MeasuredPrices, Price, Scheduler, SchedulerConfig
+from .core.scheduler import Scheduler
+from .core.scheduler_config import SchedulerConfig
 from .core.state import (
     GREEDY,
     LARGE,
     SMALL,
-    Driver,
     GenerateResult,
     Request,
     RequestHandle,
@@ -67,48 +58,12 @@ from .core.state import (
 )
 from .drivers.events import EventLoop, EventLoopThread
 from .sim.clock import GpuClock
+from .sim.pricing import forward_cost, launch_prices
 from .tp_launch import engine_large
+from .warm_up import WarmUp, cold_runs, warm_up_sides
 
 _POLL_S = 0.02
 _log = logging.getLogger("tokencache_routing")
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmUp:
-    """What RoutedEngine.warm_up made: graph keys made warm (captured on CUDA, their static
-    path run once off it), the seconds it took, and the device memory it reserved (bytes)."""
-
-    keys: int
-    seconds: float
-    memory_bytes: int
-
-
-class _WarmUpBar:
-    """progress(done, total) onto a tqdm bar whose total grows with each runner's keys."""
-
-    def __init__(self, desc: str) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=0, desc=f"warm-up {desc}", unit="graph", file=sys.stderr)
-        self.base = self.last = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        if done == 1:  # a runner's first key: its keys add to the total
-            self.base += self.last
-            self.bar.total = self.base + total
-        self.last = done
-        self.bar.n = self.base + done
-        self.bar.refresh()
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _warm_up_bar(desc: str) -> _WarmUpBar | None:
-    try:
-        return _WarmUpBar(desc)
-    except ImportError:  # tqdm is the bench/serve extras'
-        return None
 
 
 class RoutedEngine:
@@ -117,93 +72,30 @@ class RoutedEngine:
         small: CausalLM,
         large: CausalLM | ShardFactory,
         router: Router,
-        num_slots: int = 8192,
-        large_num_slots: int | None = None,
-        dispatch: str = "tokencache",
-        scheduler: SchedulerConfig | None = None,
-        tokenizer: Any = None,
-        eos_token_id: int | None = None,
-        page_size: int = 1,
-        clock: str | GpuClock = "steps",
-        large_step_cost: float = 1.0,
-        mode: str = "events",
-        topology: str | None = None,
-        small_device: str | torch.device | None = None,
-        large_device: str | torch.device | None = None,
-        host_charge: str = "serial",
-        kv_events: bool = False,
-        overlap: bool | None = None,
-        large_tp: int | None = None,
-        large_tp_devices: Sequence[str] | None = None,
-        configure: Callable[[CausalLM], None] | None = None,
         config: EngineConfig | None = None,
     ) -> None:
-        """large_tp=N: `large` (a CausalLM, or a picklable shard factory such as
-        tokencache_models.tp_worker.CheckpointShard(path)) runs tensor-parallel over N ranks
-        the engine starts itself (tp_launch.py: on CUDA cuda:1..N beside the small model's
-        cuda:0, else gloo on the CPU; large_tp_devices to choose); configure(model) runs on
-        every rank's shard; shutdown() stops them. A lost rank ends every request with
-        TPWorkerLost.
-
-        config: the options as one EngineConfig (config.py) instead of the keywords from
-        num_slots to large_tp_devices (not both: a TypeError); the keywords build one, and it
-        is validated either way before anything starts."""
-        options: list[tuple[str, object]] = [
-            ("num_slots", num_slots),
-            ("large_num_slots", large_num_slots),
-            ("dispatch", dispatch),
-            ("scheduler", scheduler),
-            ("eos_token_id", eos_token_id),
-            ("page_size", page_size),
-            ("clock", clock),
-            ("large_step_cost", large_step_cost),
-            ("mode", mode),
-            ("topology", topology),
-            ("host_charge", host_charge),
-            ("kv_events", kv_events),
-            ("overlap", overlap),
-            ("large_tp", large_tp),
-            ("large_tp_devices", large_tp_devices),
-        ]
+        """config: everything else (config.py), validated on its construction; None: the
+        defaults. With config.large_tp=N, `large` (a CausalLM, or a picklable shard factory
+        such as tokencache_models.parallel.runtime.CheckpointShard(path)) runs tensor-parallel over
+        N ranks the engine starts itself (tp_launch.py); shutdown() stops them. A lost rank
+        ends every request with TPWorkerLost."""
         if config is None:
-            config = EngineConfig(
-                num_slots=num_slots,
-                large_num_slots=large_num_slots,
-                dispatch=cast(Dispatch, dispatch),
-                scheduler=scheduler,
-                eos_token_id=eos_token_id,
-                page_size=page_size,
-                clock=cast(ClockName | GpuClock, clock),
-                large_step_cost=large_step_cost,
-                mode=cast(Mode, mode),
-                topology=cast(Topology | None, topology),
-                host_charge=cast(HostCharge, host_charge),
-                kv_events=kv_events,
-                overlap=overlap,
-                large_tp=large_tp,
-                large_tp_devices=large_tp_devices,
-            )
-        else:
-            if not isinstance(config, EngineConfig):
-                raise TypeError(f"config must be an EngineConfig, got {config!r}")
-            given = [k for k, v in options if v is not DEFAULTS[k] and v != DEFAULTS[k]]
-            if given:
-                raise TypeError(f"pass {', '.join(given)} in config, not beside it")
+            config = EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {config!r}")
         self.config = config
         # large_tp: the large model's tensor-parallel group, started here (tp_launch.py).
-        large, self._large_tp = engine_large(
-            self, large, config.large_tp, config.large_tp_devices, large_device, configure
-        )
+        large, self._large_tp = engine_large(self, large, config)
         # Vocabularies may differ in size, not in meaning: checkpoints of one family pad their
         # embedding tables differently (R1-Distill-Qwen-1.5B 151,936 rows, -32B 152,064). The
         # engine routes over the ids both have; the rest of the logits are dropped.
         vocab = min(small.config.vocab_size, large.config.vocab_size)
         # Two GPUs: each model (and so its KV pool) on its own device; the threaded driver then
         # overlaps them for real, and the event loop's clock models the overlap.
-        if small_device is not None:
-            small = small.to(torch.device(small_device))
-        if large_device is not None:
-            large = large.to(torch.device(large_device))
+        if config.small_device is not None:
+            small = small.to(config.small_device)
+        if config.large_device is not None:
+            large = large.to(config.large_device)
         clock = config.clock
         dispatch = config.dispatch
         if config.topology is None:
@@ -215,7 +107,7 @@ class RoutedEngine:
         n_small, n_large, page_size = config.num_slots, config.large_slots, config.page_size
         self.mode = config.mode
         self.dispatch = dispatch
-        self.tokenizer = tokenizer
+        self.tokenizer = config.tokenizer
         self.eos_token_id = config.eos_token_id
         self.large_step_cost = config.large_step_cost
         self.host_charge = config.host_charge
@@ -317,55 +209,13 @@ class RoutedEngine:
 
     def warm_up(self, progress: bool = False) -> WarmUp:
         """Makes, before any request, every CUDA graph the engine's forwards can replay and
-        runs each once (its Triton compiles), as a server does before it listens: each side's
-        slot table reserved for max_admitted requests of max_context slots (graphs hold its
-        address), then the decode graphs of up to max_admitted rows and the multi-token
-        graphs of up to max_admitted rows and the side's chunked-prefill budget, with the
-        epilogue each side's steps ask for (the small side's for the current router). After
-        it, a forward within those limits captures and compiles nothing (the runners'
-        cold_runs stay 0). Off CUDA it runs each graph's static path once where the model's
-        executor has its runners switched on, and does nothing otherwise. A tensor-parallel
-        large model is left cold (its worker ranks would have to capture alongside).
-        progress: a tqdm bar per side on stderr (when tqdm is installed)."""
-        t0 = time.perf_counter()
-        cfg = self.sched.cfg
-        keys = 0
-        cuda = [s.model.device for s in self.sides if s.model.device.type == "cuda"]
-        before = sum(torch.cuda.memory_reserved(d) for d in cuda)
-        for kind, side in enumerate(self.sides):
-            model = side.model
-            if not isinstance(model, CausalLM) or model.tp is not None:
-                continue
-            side.table.reserve(cfg.max_admitted + 1, self.max_context)
-            budget = cfg.token_budget(kind)
-            bar = _warm_up_bar(side.name) if progress else None
-            try:
-                keys += model.executor.warm_up(
-                    side.pool,
-                    side.epilogue(self.router if kind == SMALL else None),
-                    side.table,
-                    cfg.max_admitted,
-                    budget or None,
-                    self.max_context,
-                    bar,
-                )
-            finally:
-                if bar is not None:
-                    bar.close()
-        for d in cuda:
-            torch.cuda.synchronize(d)
-        after = sum(torch.cuda.memory_reserved(d) for d in cuda)
-        return WarmUp(keys, time.perf_counter() - t0, after - before)
+        runs each once, as a server does before it listens (warm_up.py says what that covers);
+        after it cold_runs() stays 0. progress: a tqdm bar per side on stderr."""
+        return warm_up_sides(self.sides, self.sched.cfg, self.router, self.max_context, progress)
 
     def cold_runs(self) -> int:
         """Forwards that came outside every warmed graph key since warm_up (0 before it)."""
-        total = 0
-        for s in self.sides:
-            if isinstance(s.model, CausalLM):
-                executor = s.model.executor
-                total += sum(r.cold_runs for r in executor.runners(s.pool))
-                total += sum(r.cold_runs for r in executor.extend_runners(s.pool))
-        return total
+        return cold_runs(self.sides)
 
     @property
     def closed(self) -> bool:
@@ -814,60 +664,18 @@ class RoutedEngine:
             prep.host.candidate_groups()
 
     def launch_prices(self) -> Price:
-        """What SchedulerConfig(launch="cost") prices holes and catch-ups with (both drivers):
-        the GPU clock's model of a forward (shared prefixes not modelled: every row reads its
-        slot list) plus the host time the clock charges for it (host_charge "serial" or
-        "overlap"; the average so far, Stats.small_host_s per small step: a catch-up then
-        waits for the next step's preparation), so that a host-bound step's fixed cost counts
-        as the weight read does; the step clock's constants (a small step 1, a catch-up
-        large_step_cost); or, on the measured clock, MeasuredPrices learning from the
-        forwards' measured times."""
-        clock, step_cost = self.gpu_clock, self.large_step_cost
-        if clock is None and self.clock == "steps":
-
-            def steps(kind: int, batch: int, _tokens: int, _kv: int) -> float:
-                return 0.0 if batch <= 0 else 1.0 if kind == SMALL else step_cost
-
-            return steps
-        if clock is None:
-            return MeasuredPrices()
-        if self.host_charge == "trees":
-            return clock.forward_s
-        gpu, st = clock, self.sched.stats
+        """What SchedulerConfig(launch="cost") prices holes and catch-ups with (both drivers;
+        sim/pricing.py)."""
         overlapped = self.overlap or self.host_charge == "overlap"
-
-        def priced(kind: int, batch: int, tokens: int, kv: int) -> float:
-            device = gpu.forward_s(kind, batch, tokens, kv)
-            if batch <= 0:
-                return device
-            per_step = st.small_host_s / st.steps if st.steps else 0.0
-            if kind == SMALL:  # overlapped, a step costs the slower of its host and device
-                return max(device, per_step) if overlapped else device + per_step
-            # On one device a catch-up is serial: (overlapped) the device then waits for the
-            # next small step's preparation. Its own host work is mostly per row (its rows'
-            # commits and tree extends), not counted.
-            return device + (per_step if overlapped else 0.0)
-
-        return priced
+        gpu, clock, charge = self.gpu_clock, self.clock, self.host_charge
+        return launch_prices(gpu, clock, self.large_step_cost, charge, overlapped, self.stats)
 
     def forward_cost(self, kind: int, prep: PreparedForward, measured_s: float) -> float:
         """The forward's device cost on the engine clock (measured_s: its measured device
-        time), called once per launched forward; a tool may wrap it on an instance to see each
-        price (bench_workloads.StepTrace). Every dispatch (tokencache, naive, naive-sglang) is
-        priced here, on the same modelled runner. A GPU clock whose runner
-        reads shared prefixes once gets the forward's prefix groups and their traffic
-        (GpuClock.prefix_of_host, recorded on prep for the stats); finding the groups is host
-        work the modelled runner does too (runner_host_work, timed before this is called)."""
-        clock = self.gpu_clock
-        if clock is not None:
-            if clock.shared_prefix:
-                prep.shared_prefix = clock.prefix_of_host(kind, prep.host)
-            kv = int(prep.kv_lens.sum())
-            batch, tokens = len(prep.batch), prep.num_tokens
-            return clock.forward_s(kind, batch, tokens, kv, prep.shared_prefix)
-        if self.clock == "measured":
-            return measured_s
-        return 1.0 if kind == SMALL else self.large_step_cost
+        time; sim/pricing.py), called once per launched forward; a tool may wrap it on an
+        instance to see each price (bench_workloads.StepTrace)."""
+        gpu, clock, step_cost = self.gpu_clock, self.clock, self.large_step_cost
+        return forward_cost(gpu, clock, step_cost, kind, prep, measured_s)
 
 
 def _put_index(q: queue.SimpleQueue[int], i: int, _handle: RequestHandle) -> None:

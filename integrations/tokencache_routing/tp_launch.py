@@ -1,6 +1,6 @@
-"""RoutedEngine(large_tp=N): the engine starts its large model's tensor-parallel group itself.
+"""EngineConfig(large_tp=N): the engine starts its large model's tensor-parallel group itself.
 
-`start_large_tp` spawns N - 1 worker ranks (tokencache_models.tp_worker.launch) and returns
+`start_large_tp` spawns N - 1 worker ranks (tokencache_models.parallel.runtime.launch) and returns
 rank 0's shard, which the engine uses as its large model; `LargeTP` ties the group's life to
 the engine's: a worker that dies ends every request of the engine with TPWorkerLost (those
 inside a forward through the forward's own error, the others, running or waiting, through
@@ -10,9 +10,9 @@ RoutedEngine.shutdown) stops and joins the workers, killing any still there afte
 The large model given may be
 - a CausalLM (the whole model, loaded once here): each worker receives a copy through the
   spawn (fine for small models and tests) and cuts its shard, rank 0 cuts its own;
-- a shard factory (TPGroup, device) -> CausalLM, picklable: tp_worker.CheckpointShard(path)
+- a shard factory (TPGroup, device) -> CausalLM, picklable: runtime.CheckpointShard(path)
   reads only each rank's slices of a checkpoint's safetensors (what a large model needs),
-  tp_worker.ShardOf(fn) shards what fn() builds on every rank.
+  runtime.ShardOf(fn) shards what fn() builds on every rank.
 
 Devices: on CUDA the large model's ranks take cuda:1 .. cuda:N when there are N + 1 devices
 (cuda:0 being the small model's), else cuda:0 .. cuda:N-1; NCCL for the forward's
@@ -24,12 +24,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
 
 from tokencache_models import CausalLM
-from tokencache_models.tp_worker import (
+from tokencache_models.parallel.runtime import (
     DEFAULT_TIMEOUT_S,
     ShardFactory,
     ShardOf,
@@ -38,12 +38,19 @@ from tokencache_models.tp_worker import (
     launch,
 )
 
-if TYPE_CHECKING:
-    from .engine import RoutedEngine
+from .config import EngineConfig
 
 # Waited for the scheduler's lock when failing every request (a driver thread holds it while
 # its forward fails: gloo reports a dead peer at once, NCCL once the watchdog aborted).
 _LOCK_WAIT_S = 10.0
+
+
+class FailsRequests(Protocol):
+    """What the group's hold asks of its engine (RoutedEngine implements it)."""
+
+    def fail_all(self, error: BaseException, lock_wait_s: float | None = None) -> None:
+        """Every unfinished request ends with `error`; waits lock_wait_s for the lock."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ def start_large_tp(
         if isinstance(large, CausalLM):
             model = large.to(torch.device(devices[0]))
         else:
-            from tokencache_models.parallel import TPGroup
+            from tokencache_models.parallel.tp_layers import TPGroup
 
             model = large(TPGroup(0, 1), torch.device(devices[0]))
         if configure is not None:
@@ -114,22 +121,14 @@ def start_large_tp(
 
 
 def engine_large(
-    engine: RoutedEngine,
-    large: CausalLM | ShardFactory,
-    large_tp: int | None,
-    devices: Sequence[str] | None,
-    large_device: object,
-    configure: Callable[[CausalLM], None] | None,
+    engine: FailsRequests, large: CausalLM | ShardFactory, config: EngineConfig
 ) -> tuple[CausalLM, LargeTP | None]:
-    """RoutedEngine's large model from its arguments: `large` itself without large_tp, else
-    rank 0's shard of its group (started here) and the engine's hold on it."""
-    if large_tp is None:
-        if devices is not None or configure is not None:
-            raise ValueError("large_tp_devices and configure go with large_tp")
+    """RoutedEngine's large model: `large` itself without config.large_tp, else rank 0's
+    shard of its group (started here) and the engine's hold on it. EngineConfig checked
+    large_tp's companions (large_tp_devices, configure, no large_device)."""
+    if config.large_tp is None:
         return cast(CausalLM, large), None  # a model (or a test's stand-in for one)
-    if large_device is not None:
-        raise ValueError("large_tp: give its ranks' devices as large_tp_devices, not large_device")
-    model = start_large_tp(large, large_tp, devices, configure)
+    model = start_large_tp(large, config.large_tp, config.large_tp_devices, config.configure)
     return model, (LargeTP(engine, model) if model.tp is not None else None)
 
 
@@ -138,7 +137,7 @@ class LargeTP:
     also stopped when the engine is garbage-collected (or its constructor failed) and at the
     interpreter's exit."""
 
-    def __init__(self, engine: RoutedEngine, model: CausalLM) -> None:
+    def __init__(self, engine: FailsRequests, model: CausalLM) -> None:
         assert isinstance(model.tp, TPDriver)
         self.driver: TPDriver = model.tp
         self.world = model.tp.tp.world
@@ -155,7 +154,7 @@ class LargeTP:
     def _lost(self, why: str) -> None:
         eng = self._engine()
         if eng is not None:
-            fail_all(eng, TPWorkerLost(why))
+            eng.fail_all(TPWorkerLost(why), lock_wait_s=_LOCK_WAIT_S)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stops and joins the workers (killed past timeout_s); once."""
@@ -163,8 +162,3 @@ class LargeTP:
             return
         self._stopped = True
         self.driver.shutdown(timeout_s)
-
-
-def fail_all(eng: RoutedEngine, error: BaseException) -> None:
-    """Every unfinished request of the engine ends with `error` (RoutedEngine.fail_all)."""
-    eng.fail_all(error, lock_wait_s=_LOCK_WAIT_S)

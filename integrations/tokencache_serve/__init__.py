@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 from tokencache_extras import lazy_attributes
 
 if TYPE_CHECKING:
-    from .app import ServerConfig, create_app
+    from .app import create_app
     from .errors import APIError
+    from .server_config import ServerConfig
 
 DEFAULT_MODEL_NAME = "tokencache-routed"
-_HOMES = {"ServerConfig": ".app", "create_app": ".app", "APIError": ".errors"}
+_HOMES = {"ServerConfig": ".server_config", "create_app": ".app", "APIError": ".errors"}
 
 __all__ = ["DEFAULT_MODEL_NAME", "APIError", "ServerConfig", "create_app"]
 

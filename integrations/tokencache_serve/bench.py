@@ -105,8 +105,8 @@ def build_engine(a: argparse.Namespace) -> tuple[Any, Any]:
     """(engine, tokenizer) for the benchmark's settings; the same in both processes."""
     import torch
 
-    from tokencache_routing import EntropyRouter, RoutedEngine
-    from tokencache_routing.core.scheduler import SchedulerConfig
+    from tokencache_routing import EngineConfig, EntropyRouter, RoutedEngine
+    from tokencache_routing.core.scheduler_config import SchedulerConfig
 
     torch.set_num_threads(a.torch_threads)
     if a.models == "tiny":
@@ -129,10 +129,12 @@ def build_engine(a: argparse.Namespace) -> tuple[Any, Any]:
         small,
         large,
         EntropyRouter(a.threshold if a.threshold is not None else threshold),
-        num_slots=slots,
-        scheduler=SchedulerConfig(max_running=a.max_running),
-        tokenizer=tok,
-        eos_token_id=None,  # every request runs to max_new
+        config=EngineConfig(
+            num_slots=slots,
+            scheduler=SchedulerConfig(max_running=a.max_running),
+            tokenizer=tok,
+            eos_token_id=None,
+        ),
     )
     return eng, tok
 
@@ -251,8 +253,9 @@ def run_http(
 
 def serve_child(a: argparse.Namespace) -> None:
     """The child process: the same engine behind the app on a free loopback port."""
-    from .app import ServerConfig, create_app
+    from .app import create_app
     from .runner import DrainingServer, make_config
+    from .server_config import ServerConfig
 
     eng, tok = build_engine(a)
     app = create_app(eng, tok, ServerConfig(model_name="bench"))

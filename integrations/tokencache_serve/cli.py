@@ -25,8 +25,8 @@ from .placement import DEFAULT_MEM_FRACTION
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from .app import ServerConfig
     from .kv_events import KVEventsConfig
+    from .server_config import ServerConfig
 
 log = logging.getLogger("tokencache_serve")
 CPU_SLOTS = 8192  # KV slots of each pool on the CPU when --num-slots is not given
@@ -339,8 +339,8 @@ def warn_if_exposed(host: str, key: str | None) -> bool:
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    from .app import ServerConfig
     from .security import LOOPBACK_HOSTS
+    from .server_config import ServerConfig
 
     origins = tuple(o.strip() for o in (a.allowed_origins or "").split(",") if o.strip())
     hosts: tuple[str, ...] | None
@@ -420,8 +420,8 @@ def build_app(a: argparse.Namespace) -> Starlette:
         os.environ["TRITON_CACHE_DIR"] = os.path.expanduser(a.triton_cache_dir)
     import torch
 
-    from tokencache_routing import RoutedEngine
-    from tokencache_routing.core.scheduler import SchedulerConfig
+    from tokencache_routing import EngineConfig, RoutedEngine
+    from tokencache_routing.core.scheduler_config import SchedulerConfig
 
     from .app import create_app
     from .loading import load_models, parse_router
@@ -464,14 +464,16 @@ def build_app(a: argparse.Namespace) -> Starlette:
         small_model,
         large_model,
         parse_router(a.router, small_model),
-        num_slots=num_slots,
-        large_num_slots=large_num_slots,
-        scheduler=scheduler,
-        tokenizer=models.tokenizer,
-        eos_token_id=models.tokenizer.eos_token_id,
-        mode=a.mode,
-        kv_events=config.kv_events is not None and config.kv_events.publisher != "null",
-        **tp,
+        config=EngineConfig(
+            num_slots=num_slots,
+            large_num_slots=large_num_slots,
+            scheduler=scheduler,
+            tokenizer=models.tokenizer,
+            eos_token_id=models.tokenizer.eos_token_id,
+            mode=a.mode,
+            kv_events=config.kv_events is not None and config.kv_events.publisher != "null",
+            **tp,
+        ),
     )
     if a.warm_up:
         done = engine.warm_up(progress=True)

@@ -5,11 +5,11 @@ offline), a Hugging Face checkpoint directory (config.json + *.safetensors, toke
 the large model), or a .gguf file. Without a small model, the small one is the large model's
 first --small-layers layers (shared weights, same tokenizer); "exit:PATH" is the large model's
 first layers with the exit head of an early-exit checkpoint (tokencache_models.early_exit, the
-small model that tokencache_routing.quality trains its neural router on).
+small model that tokencache_routing.tools.quality trains its neural router on).
 "tiny" is a pair of tiny random-weight models with a word-level tokenizer (tiny.py): nothing is
 loaded, for tests and benchmarks of the serving layers (several replicas on one small machine).
 Router specs: "entropy:T" (escalate at entropy >= T nats), "prob:P" (top-1 probability < P),
-"neural:PATH" (a NeuralRouter saved by tokencache_routing.train_router).
+"neural:PATH" (a NeuralRouter saved by tokencache_routing.tools.train_router).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tokencache_models import (
     load_smollm2_gguf,
     truncate_model,
 )
-from tokencache_models.tp_worker import ShardFactory
+from tokencache_models.parallel.runtime import ShardFactory
 from tokencache_routing import EntropyRouter, NeuralRouter, Router, Top1ProbRouter
 
 SMOLLM2 = "smollm2"
@@ -147,7 +147,7 @@ def _sharded_large(
     large_tp: int,
 ) -> LoadedModels:
     from tokencache_models import ModelConfig
-    from tokencache_models.tp_worker import CheckpointShard
+    from tokencache_models.parallel.runtime import CheckpointShard
 
     small_model, _ = _load_one(small, device, dtype, attention, False)
     vocab = ModelConfig.from_pretrained_dir(large).vocab_size

@@ -1,4 +1,5 @@
-"""Prometheus metrics: the server's own counters and histograms, and the engine's snapshot.
+"""Prometheus metrics: the server's own counters and histograms (labelled by endpoint, from a
+bounded set), and the engine's snapshot.
 
 Each app owns a CollectorRegistry (several servers in one process do not collide). The engine's
 numbers are read from RoutedEngine.metrics() at scrape time by a custom collector.
@@ -32,6 +33,24 @@ _ENGINE_COUNTERS = frozenset(
     )
 )
 _MODELS = ("small", "large")
+# The server's routes: the endpoint label's values (with "/v1/models/{id}" and "other").
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/server_info",
+    "/model_info",
+    "/v1/loads",
+)
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded metrics label: a client's arbitrary path must not create a new time series."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    return path if path in ENDPOINTS else "other"
 
 
 class EngineCollector(Collector):

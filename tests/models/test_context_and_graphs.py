@@ -18,14 +18,14 @@ from tokencache_models import (
     random_model,
 )
 from tokencache_models.attention import GROUP_SLACK, GROUP_WASTE, plan_groups
-from tokencache_models.context import (
+from tokencache_models.executor.decode_graphs import DecodeGraphRunner
+from tokencache_models.forward.context import (
     DEFAULT_DECODE_BUCKETS,
     ForwardContext,
     HostBatch,
     decode_bucket,
     decode_kv_width,
 )
-from tokencache_models.graphs import DecodeGraphRunner
 
 CFG = dataclasses.replace(
     QWEN3_0_6B,
@@ -270,24 +270,33 @@ def test_the_executor_owns_the_forward_switches_and_the_context_is_frozen() -> N
 
 
 def test_the_network_is_below_its_executor_and_graph_runners() -> None:
-    """model -> executor -> graphs -> context, one way, annotations included: the runners see
-    the network through graphs.ForwardBody, never by importing the model."""
+    """model -> executor -> graph runners -> forward context, one way, annotations included: the
+    runners see the network through decode_graphs.ForwardBody, never by importing the model."""
     import ast
     from pathlib import Path
 
     import tokencache_models
 
     root = Path(tokencache_models.__file__).parent
-    for name in ("executor", "graphs", "context", "attention"):
-        tree = ast.parse((root / f"{name}.py").read_text())
+    executor = "tokencache_models.executor.model_executor"
+    for name in (
+        "executor.model_executor",
+        "executor.decode_graphs",
+        "executor.extend_graphs",
+        "forward.context",
+        "attention",
+    ):
+        package = ["tokencache_models", *name.split(".")[:-1]]
+        tree = ast.parse((root / f"{name.replace('.', '/')}.py").read_text())
         imported = {
-            node.module
+            ".".join([*package[: len(package) - node.level + 1], *filter(None, [node.module])])
             for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.level == 1
+            if isinstance(node, ast.ImportFrom) and node.level
         }
-        assert "model" not in imported, name
-        if name != "executor":
-            assert "executor" not in imported, name
+        assert "tokencache_models.forward.context" in imported or name == "forward.context"
+        assert "tokencache_models.model" not in imported, name
+        if f"tokencache_models.{name}" != executor:
+            assert executor not in imported, name
 
 
 def test_a_model_pickles_with_its_executor_switches_and_without_its_runners() -> None:

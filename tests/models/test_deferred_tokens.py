@@ -34,8 +34,8 @@ from tokencache_models import (
     empty_model,
     random_model,
 )
-from tokencache_models.graphs import DecodeGraphRunner
-from tokencache_models.parallel import TPGroup
+from tokencache_models.executor.decode_graphs import DecodeGraphRunner
+from tokencache_models.parallel.tp_layers import TPGroup
 
 CFG = dataclasses.replace(
     QWEN3_0_6B,

@@ -20,7 +20,7 @@ from tokencache_models import (
     empty_model,
     random_model,
 )
-from tokencache_models.graphs import DecodeGraphRunner
+from tokencache_models.executor.decode_graphs import DecodeGraphRunner
 from tokencache_routing.core.routers import RouterFeatures
 
 CFG = dataclasses.replace(

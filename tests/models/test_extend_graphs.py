@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokencache_models import QWEN3_0_6B, CausalLM, ForwardBatch, KVPool, random_model
-from tokencache_models.context import HostBatch
-from tokencache_models.epilogue import Epilogue
-from tokencache_models.extend_graphs import DEFAULT_EXTEND_TOKENS, ExtendGraphRunner
-from tokencache_models.slot_table import SlotTable
+from tokencache_models.executor.extend_graphs import DEFAULT_EXTEND_TOKENS, ExtendGraphRunner
+from tokencache_models.forward.context import HostBatch
+from tokencache_models.forward.epilogue import Epilogue
+from tokencache_models.kv.slot_table import SlotTable
 
 CFG = dataclasses.replace(
     QWEN3_0_6B,
@@ -267,8 +267,8 @@ TRITON_STATIC_EXTEND = r"""
 import dataclasses
 import torch
 from tokencache_models import QWEN3_0_6B, ForwardBatch, random_model
-from tokencache_models.context import HostBatch
-from tokencache_models.extend_graphs import ExtendGraphRunner
+from tokencache_models.forward.context import HostBatch
+from tokencache_models.executor.extend_graphs import ExtendGraphRunner
 
 cfg = dataclasses.replace(
     QWEN3_0_6B, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

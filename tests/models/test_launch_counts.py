@@ -1,10 +1,11 @@
-"""Kernel launches per decoder layer and per forward, pinned (launches.py counts them on the
-CPU: a count, never a time), and the merged projections that make the count.
+"""Kernel launches per decoder layer and per forward, pinned (testing/launch_counter.py counts
+them on the CPU: a count, never a time), and the merged projections that make the count.
 
 The fused Triton path runs under TRITON_INTERPRET=1 in a subprocess (the interpreter must be
 on before triton is imported); the unfused torch path runs here. A change that adds a launch
 to a layer or to a forward fails these; one that removes launches updates the pins (and the
-table in integrations/tokencache_models/README.md: `python -m tokencache_models.launches`).
+table in integrations/tokencache_models/README.md:
+`python -m tokencache_models.testing.launch_counter`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from torch import nn
 
 from tokencache_models import ForwardBatch, random_model
 from tokencache_models import model as model_module
-from tokencache_models.launches import (
+from tokencache_models.layers import apply_rope
+from tokencache_models.testing.launch_counter import (
     PATHS,
     count_launches,
     count_paths,
     launches_kernel,
     small_config,
 )
-from tokencache_models.layers import apply_rope
 
 # Per layer, then outside the layers (2-layer model: per forward = outside + 2 * per layer).
 # Before the merged GEMMs and the q/k/v kernel the fused path was 15 / 15 / 16 / 17 / 17 per
@@ -65,8 +66,8 @@ FUSED_KERNELS = {
 
 SCRIPT = r"""
 import json, sys
-from tokencache_models import fused
-from tokencache_models.launches import count_paths
+from tokencache_models.kernels import fused
+from tokencache_models.testing.launch_counter import count_paths
 
 out = {}
 for family in ("qwen3", "qwen2", "llama"):

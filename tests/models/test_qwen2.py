@@ -465,8 +465,8 @@ assert (a.logits - b.logits).abs().max().item() < 1e-4
 # Four requests on one 160-token system prompt (long enough to pay at fp32): their tails, then
 # decode steps through the shared-prefix kernel (GQA group 3, padded); counted, so the test
 # knows it ran in every decode step.
-import tokencache_models.triton_decode as td
-import tokencache_models.triton_varlen as tv
+import tokencache_models.kernels.decode_attention as td
+import tokencache_models.kernels.varlen_attention as tv
 
 launches = []
 for mod in (td, tv):

@@ -15,8 +15,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokencache_models import PRESETS, ForwardBatch, PrefixShape
-from tokencache_models.context import ForwardContext, HostBatch, shared_prefix_len
-from tokencache_models.prefix_groups import (
+from tokencache_models.forward.context import ForwardContext, HostBatch, shared_prefix_len
+from tokencache_models.shared_prefix.groups import (
     TILE_FIELDS,
     PrefixGroup,
     find_prefix_groups,

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencache_models import SlotTable
-from tokencache_models.prefix_groups import MAX_PREFIX_GROUPS, groups_over_rows
-from tokencache_models.slot_table import _nested_groups
+from tokencache_models.kv.slot_table import _nested_groups
+from tokencache_models.shared_prefix.groups import MAX_PREFIX_GROUPS, groups_over_rows
 
 SCRATCH = 999
 

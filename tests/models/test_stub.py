@@ -1,6 +1,6 @@
-"""The stubbed device (tokencache_models.stub): zero logits at once, the host preparation
-kept, the model's own (eager) or a GPU's (the Triton plan, decode steps padded into a graph
-runner's buffers), on this CPU."""
+"""The stubbed device (tokencache_models.testing.stubbed_device): zero logits at once, the host
+preparation kept, the model's own (eager) or a GPU's (the Triton plan, decode steps padded into a
+graph runner's buffers), on this CPU."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tokencache_models import Epilogue, ForwardBatch, HostBatch, ModelConfig, random_model
-from tokencache_models.graphs import DecodeGraphRunner
-from tokencache_models.stub import stub_execute
+from tokencache_models.executor.decode_graphs import DecodeGraphRunner
+from tokencache_models.testing.stubbed_device import stub_execute
 
 CONFIG = ModelConfig(
     model_type="llama",

@@ -1,4 +1,4 @@
-"""Tensor parallelism (parallel.py, tp_worker.py): TP=2 against TP=1, on CPU over gloo.
+"""Tensor parallelism (tokencache_models.parallel): TP=2 against TP=1, on CPU over gloo.
 
 Each multi-process case runs in a driver subprocess (this file as a script) that launches one
 worker rank on 127.0.0.1 and compares its TP=2 model with the same weights unsharded in the same
@@ -45,15 +45,7 @@ from tokencache_models import (  # noqa: E402
     SlotTable,
     random_model,
 )
-from tokencache_models.parallel import (  # noqa: E402
-    TPGroup,
-    check_divisible,
-    kv_head_of,
-    shard_config,
-    vocab_shard,
-)
-from tokencache_models.sharding import shard_model  # noqa: E402
-from tokencache_models.tp_worker import (  # noqa: E402
+from tokencache_models.parallel.runtime import (  # noqa: E402
     HEADER,
     MirrorTable,
     ShardOf,
@@ -62,6 +54,14 @@ from tokencache_models.tp_worker import (  # noqa: E402
     decode_forward,
     encode_forward,
     launch,
+)
+from tokencache_models.parallel.sharding import shard_model  # noqa: E402
+from tokencache_models.parallel.tp_layers import (  # noqa: E402
+    TPGroup,
+    check_divisible,
+    kv_head_of,
+    shard_config,
+    vocab_shard,
 )
 
 TOL = 1e-5
@@ -223,12 +223,14 @@ def engine_scenario(small: CausalLM, large: CausalLM, mode: str) -> dict[str, An
     """A routed generation (tokencache_routing.RoutedEngine) with this large model: random
     escalations (BernoulliRouter), batched catch-ups, prompts on one shared prefix; mode
     "threaded" runs the large model's forwards in a worker thread of their own."""
-    from tokencache_routing import BernoulliRouter, RoutedEngine, SchedulerConfig
+    from tokencache_routing import BernoulliRouter, EngineConfig, RoutedEngine, SchedulerConfig
 
     sched = SchedulerConfig(max_running=3, min_large_batch=2, max_wait_steps=2)
     router = BernoulliRouter(0.3, seed=5)
-    eng = RoutedEngine(small, large, router, num_slots=256, scheduler=sched, mode=mode)
-    # The engine builds the large side's table for the workers (tp_worker.make_slot_table:
+    eng = RoutedEngine(
+        small, large, router, config=EngineConfig(num_slots=256, scheduler=sched, mode=mode)
+    )
+    # The engine builds the large side's table for the workers (runtime.make_slot_table:
     # a TPSlotTable for a tensor-parallel model, whose forwards refuse any other).
     g = torch.Generator().manual_seed(3)
     base = torch.randint(0, small.config.vocab_size, (9,), generator=g).tolist()
@@ -648,7 +650,7 @@ def test_checkpoint_shard_reads_the_same_slices(family: str, tmp_path: Path) -> 
     does from the whole model (untied qwen2; tied qwen3, saved without lm_head)."""
     from safetensors.torch import save_file
 
-    from tokencache_models.sharding import load_hf_checkpoint_shard
+    from tokencache_models.parallel.sharding import load_hf_checkpoint_shard
 
     model = full_model(family)
     cfg = model.config

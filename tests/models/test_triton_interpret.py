@@ -17,8 +17,8 @@ COMMON = r"""
 import numpy as np
 import torch
 from tokencache_models.attention import TorchPagedAttention
-from tokencache_models.batch import ForwardBatch
-from tokencache_models.context import ForwardContext
+from tokencache_models.forward.forward_batch import ForwardBatch
+from tokencache_models.forward.context import ForwardContext
 
 torch.manual_seed(0)
 
@@ -47,7 +47,7 @@ def scattered_requests(perm, prefix_lens, q_lens, shared=None):
 """
 
 DECODE = r"""
-from tokencache_models.triton_decode import paged_decode
+from tokencache_models.kernels.decode_attention import paged_decode
 
 for heads, kv_heads, head_dim in [(8, 2, 32), (6, 3, 24)]:
     slots_total = 700
@@ -70,7 +70,7 @@ print("OK")
 """
 
 VARLEN = r"""
-from tokencache_models.triton_varlen import paged_varlen
+from tokencache_models.kernels.varlen_attention import paged_varlen
 
 def check(heads, kv_heads, head_dim, prefix_lens, q_lens, shared_prefix=0, rows=16, block_n=16):
     total = sum(prefix_lens) + sum(q_lens) + shared_prefix + 8
@@ -111,7 +111,7 @@ print("OK")
 
 SPLIT = r"""
 # Split-KV varlen (flash-decoding style) against the torch path and against one split.
-from tokencache_models.triton_varlen import paged_varlen, varlen_grid
+from tokencache_models.kernels.varlen_attention import paged_varlen, varlen_grid
 
 # The heuristic: 10 catch-ups x 10 tokens at 8k on the 8B shape (32 heads, 8 kv heads) make
 # 80 programs, so they split; a long prefill or short contexts keep one split.
@@ -190,11 +190,11 @@ PREFIX = r"""
 # read them once through the prefix kernel; the per-row kernels skip them; one merge. Against
 # the torch path (every row reads its whole list) and against the kernels without the prefix
 # path.
-from tokencache_models.context import HostBatch, SharedPrefix
-from tokencache_models.prefix_groups import find_prefix_groups, max_tiles, prefix_tables
-from tokencache_models.triton_decode import paged_decode
-from tokencache_models.triton_varlen import paged_varlen
-import tokencache_models.triton_prefix as triton_prefix
+from tokencache_models.forward.context import HostBatch, SharedPrefix
+from tokencache_models.shared_prefix.groups import find_prefix_groups, max_tiles, prefix_tables
+from tokencache_models.kernels.decode_attention import paged_decode
+from tokencache_models.kernels.varlen_attention import paged_varlen
+import tokencache_models.kernels.shared_prefix_attention as triton_prefix
 
 def build(segments, rows, tails, q_lens, kv_heads, head_dim):
     # Row i's slot list: the named prompt segments rows[i] (page-scattered slots every row
@@ -288,7 +288,7 @@ check(4, 2, 16, two, [["B"], ["A"], ["B"], ["A"], []], [2, 0, 9, 4, 6], [3, 7, 1
       [((0, 2), 90), ((1, 3), 130)])
 # The 16-bit caches' tile (128 rows: 64 tokens of a group of 2) on fp32 data: 70 decode rows
 # in two groups, each spanning two tiles.
-from tokencache_models.prefix_plan import PrefixShape
+from tokencache_models.shared_prefix.shape import PrefixShape
 real_prefix_shape = triton_prefix.prefix_shape
 triton_prefix.prefix_shape = lambda q, k: PrefixShape(q.shape[1] // k.shape[1], k.shape[1],
                                                       q.shape[2], itemsize=2)
@@ -308,7 +308,7 @@ args = (slots.numpy(), batch.kv_offsets.numpy(), batch.q_offsets.numpy())
 assert [(g.rows, g.length) for g in find_prefix_groups(*args, min_len=1)] == [((0, 1), 60)]
 assert find_prefix_groups(*args, min_len=64) == []
 # Tables cut for another tile than the kernel's are refused (tokens would be lost).
-from tokencache_models.prefix_plan import PrefixShape as _Shape
+from tokencache_models.shared_prefix.shape import PrefixShape as _Shape
 batch, kc, vc = build({"A": 100}, [["A"]] * 2, [3, 4], [1, 1], 2, 16)
 hb = HostBatch.from_batch(batch)
 q = torch.randn(2, 4, 16)
@@ -329,7 +329,7 @@ triton_prefix.prefix_shape = real_prefix_shape
 # the padded static decode path (what a CUDA graph replays) against eager.
 import dataclasses
 from tokencache_models import QWEN3_0_6B, GreedyRunner, random_model
-from tokencache_models.graphs import DecodeGraphRunner
+from tokencache_models.executor.decode_graphs import DecodeGraphRunner
 
 cfg = dataclasses.replace(
     QWEN3_0_6B, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -424,7 +424,7 @@ import dataclasses
 from torch.nn import functional as F
 from tokencache_models import QWEN3_0_6B, random_model
 from tokencache_models.config import ModelConfig
-from tokencache_models.fused import add_rmsnorm, qkv_norm_rope_store, silu_mul
+from tokencache_models.kernels.fused import add_rmsnorm, qkv_norm_rope_store, silu_mul
 from tokencache_models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 def close(a, b, dtype):

@@ -3,9 +3,14 @@ tokencache_routing and tokencache_models each), and the layers point one way
 (tokencache_models never imports the routing engine, the server or the SGLang backend; the
 routing engine never imports the server). And no module but engine.py reaches into
 RoutedEngine's underscore members: the others use its public API and the typed interfaces in
-tokencache_routing/core/state.py (RequestDriver, DriverEngine). Within tokencache_routing the
+tokencache_routing/core/state.py and core/driver_api.py (RequestDriver, DriverEngine). The
+shared types (core/state.py) name no part of the scheduler, not even for annotations: the
+scheduler imports them. Within tokencache_routing the
 subpackages are layered: core/ imports none of the others, sim/, baselines/ and drivers/ only
-core/, nothing but tools/ (and the thin command modules at the old paths) imports tools/.
+core/, nothing but tools/ (and __main__.py, which runs its commands) imports tools/.
+Within tokencache_models the foundations (shared_prefix/, forward/, kv/, kernels/, executor/)
+never import the network, its loaders, parallel/ or testing/, and only the package's __init__
+imports testing/ (it re-exports GreedyRunner).
 
 Read with ast from the source, so it sees imports inside functions too (a deferred import is
 still a dependency); imports under `if TYPE_CHECKING:` are left out (annotations only)."""
@@ -152,8 +157,6 @@ MAY_IMPORT = {
     "drivers": {"core"},
     "tools": {"core", "drivers", "sim", "baselines", "engine", "tp_launch", "__init__"},
 }
-# The thin command modules at the documented paths (python -m tokencache_routing.bench ...).
-COMMANDS = ("bench", "demo", "labels", "quality", "train_router")
 
 
 def _layer(module: str) -> str:
@@ -176,8 +179,8 @@ def test_routing_subpackages_are_layered() -> None:
             target = _layer(d)
             if layer in MAY_IMPORT:
                 ok = target in MAY_IMPORT[layer]
-            else:  # engine, tp_launch, __init__, the command modules: anything but tools/
-                ok = target != "tools" or layer in COMMANDS
+            else:  # engine, tp_launch, __init__: anything but tools/; __main__ runs tools/
+                ok = target != "tools" or layer == "__main__"
             if not ok:
                 wrong.append(f"{m} -> {d}")
     assert not sorted(wrong)
@@ -190,7 +193,76 @@ def test_the_layer_check_sees_the_layers() -> None:
     graph = _graph()
     assert "tokencache_routing.core.batch" in graph["tokencache_routing.drivers.threaded"]
     assert "tokencache_routing.drivers.events" in graph["tokencache_routing.engine"]
-    assert "tokencache_routing.tools.bench" in graph["tokencache_routing.bench"]
+
+
+def _reaches(graph: dict[str, set[str]], start: str, target: str) -> bool:
+    seen, todo = {start}, [start]
+    while todo:
+        for d in graph.get(todo.pop(), set()):
+            if d == target:
+                return True
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return False
+
+
+def test_shared_types_import_no_scheduler_part() -> None:
+    """core/state.py's imports, those under TYPE_CHECKING included, reach no module that
+    imports it back: the driver interfaces that name the Scheduler live in driver_api.py."""
+    tree = ast.parse((ROOT / RT / "core" / "state.py").read_text())
+    named = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    graph, state = _graph(), f"{RT}.core.state"
+    assert not sorted(m for m in named if m and _reaches(graph, f"{RT}.core.{m}", state))
+    assert _reaches(graph, f"{RT}.core.scheduler", state)  # the check can see one
+
+
+def test_the_engine_parts_name_no_engine() -> None:
+    """What engine.py imports of its own level (tp_launch.py, config.py, warm_up.py) names no
+    module that imports it back, not even under TYPE_CHECKING: tp_launch.py sees the engine
+    through a Protocol of its own (FailsRequests)."""
+    graph, engine = _graph(), f"{RT}.engine"
+    assert {f"{RT}.tp_launch", f"{RT}.config", f"{RT}.warm_up"} <= graph[engine]
+    for name in ("tp_launch", "config", "warm_up"):
+        tree = ast.parse((ROOT / RT / f"{name}.py").read_text())
+        named = {
+            f"{RT}.{n.module}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module
+        }
+        assert engine not in named, name
+        assert not sorted(m for m in named if _reaches(graph, m, engine)), name
+
+
+MODELS = "tokencache_models"
+# What each foundation subpackage of tokencache_models may import of it (its own modules
+# always); the network (model, layers, attention), the loaders, parallel/ and testing/ sit above.
+MODELS_MAY_IMPORT = {
+    "shared_prefix": {"arrays"},
+    "forward": {"arrays", "shared_prefix"},
+    "kv": {"arrays", "config", "shared_prefix"},
+    "kernels": {"forward", "shared_prefix"},
+    "executor": {"forward", "kernels", "kv", "shared_prefix"},
+}
+
+
+def test_models_subpackages_are_layered() -> None:
+    graph = {m: deps for m, deps in _graph().items() if m.split(".")[0] == MODELS}
+    assert set(MODELS_MAY_IMPORT) | {"testing", "parallel"} <= {_layer(m) for m in graph}
+    wrong = []
+    for m, deps in graph.items():
+        layer = _layer(m)
+        for d in deps:
+            target = _layer(d)
+            if d.split(".")[0] != MODELS or target == layer:
+                continue
+            if layer in MODELS_MAY_IMPORT:
+                ok = target in MODELS_MAY_IMPORT[layer]
+            else:
+                ok = target != "testing" or layer == "__init__"
+            if not ok:
+                wrong.append(f"{m} -> {d}")
+    assert not sorted(wrong)
 
 
 ENGINE = ROOT / "tokencache_routing" / "engine.py"

@@ -20,13 +20,17 @@ from tokencache_extras import MissingExtra, require, require_or_exit
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "gguf", "safetensors", "accelerate", "sglang", "tqdm")
-# (module run as __main__, what its --help must mention)
+# (module run as __main__ and its command, what its --help must mention)
 COMMANDS = [
-    ("tokencache_bench", "--quick"),
-    ("tokencache_routing.demo", "--threshold"),
-    ("tokencache_routing.train_router", "--features"),
-    ("tokencache_routing.bench", "usage"),
-    ("tokencache_serve", "serve"),
+    (("tokencache_bench",), "--quick"),
+    (("tokencache_routing", "demo"), "--threshold"),
+    (("tokencache_routing", "labels"), "--max-new"),
+    (("tokencache_routing", "train-router"), "--features"),
+    (("tokencache_routing", "quality"), "--engine-check"),
+    (("tokencache_routing", "bench"), "python -m tokencache_routing bench [--quick]"),
+    (("tokencache_routing", "clock-check"), "--break-even"),
+    (("tokencache_routing",), "train-router"),
+    (("tokencache_serve",), "serve"),
 ]
 
 
@@ -46,15 +50,15 @@ def run_without(
     )
 
 
-@pytest.mark.parametrize(("module", "mentions"), COMMANDS, ids=[m for m, _ in COMMANDS])
-def test_help_works_without_torch(module: str, mentions: str) -> None:
-    p = run_without((*HEAVY, "matplotlib"), module, "--help")
+@pytest.mark.parametrize(("command", "mentions"), COMMANDS, ids=[" ".join(c) for c, _ in COMMANDS])
+def test_help_works_without_torch(command: tuple[str, ...], mentions: str) -> None:
+    p = run_without((*HEAVY, "matplotlib"), *command, "--help")
     assert p.returncode == 0, p.stderr
     assert "usage" in p.stdout and mentions in p.stdout
 
 
 def test_demo_without_torch_says_which_extra_in_one_line() -> None:
-    p = run_without(HEAVY, "tokencache_routing.demo", "--max-new", "1")
+    p = run_without(HEAVY, "tokencache_routing", "demo", "--max-new", "1")
     assert p.returncode == 1
     assert "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
@@ -63,7 +67,7 @@ def test_demo_without_torch_says_which_extra_in_one_line() -> None:
 
 
 def test_train_router_without_torch_says_which_extra() -> None:
-    p = run_without(HEAVY, "tokencache_routing.train_router", "--features", "x", "--out", "y")
+    p = run_without(HEAVY, "tokencache_routing", "train-router", "--features", "x", "--out", "y")
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "[routing]" in p.stderr.strip()
 

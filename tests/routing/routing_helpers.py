@@ -63,10 +63,10 @@ def check(
     **kw: Any,
 ) -> Any:
     """A fresh engine's generate equals the no-cache reference, and leaves it idle and clean."""
-    from tokencache_routing import RoutedEngine, reference_generate
+    from tokencache_routing import EngineConfig, RoutedEngine, reference_generate
 
     small, large = pair
-    eng = RoutedEngine(small, large, router, **kw)
+    eng = RoutedEngine(small, large, router, config=EngineConfig(**kw))
     res = eng.generate(prompts, max_new)
     ref_tokens, ref_models = reference_generate(small, large, prompts, max_new, decide)
     assert res.tokens == ref_tokens

@@ -9,8 +9,14 @@ from typing import Any
 import pytest
 from routing_helpers import bernoulli_decide, make_prompts, no_worker_threads
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing import (
+    BernoulliRouter,
+    EngineConfig,
+    RoutedEngine,
+    ScriptedRouter,
+    reference_generate,
+)
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 
 def check_idle(eng: RoutedEngine) -> None:
@@ -70,7 +76,11 @@ def test_abort_before_admission(pair: Any, dispatch: str, mode: str) -> None:
     router = ScriptedRouter({0: [1], 1: [2]})
     prompts = make_prompts(3, seed=50)
     sched = SchedulerConfig(max_running=1)
-    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, scheduler=sched, mode=mode)
+    eng = RoutedEngine(
+        *pair,
+        router,
+        config=EngineConfig(num_slots=256, dispatch=dispatch, scheduler=sched, mode=mode),
+    )
     res = consume(eng, prompts, 8, lambda e, t: 2)  # rid 0 decodes alone: 2 is not admitted
     assert res.tokens[2] == []
     assert eng.stats.aborted == 1
@@ -82,7 +92,9 @@ def test_abort_before_admission(pair: Any, dispatch: str, mode: str) -> None:
 def test_abort_mid_decode(pair: Any, dispatch: str, mode: str) -> None:
     router = ScriptedRouter({0: [1, 5], 1: [0, 6], 2: [4]})
     prompts = make_prompts(4, seed=51, shared=6)
-    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode)
+    )
     res = consume(eng, prompts, 10, lambda e, t: 1 if len(t[1]) == 3 else None)
     assert res.cut in ({1: 3}, {} if mode == "threaded" else {1: 3})
     check_others(pair, router.decide, prompts, 10, res, res.cut)
@@ -95,7 +107,9 @@ def test_abort_while_parked(pair: Any, dispatch: str) -> None:
     prompts = make_prompts(4, seed=52, shared=5)
     # Parked until 10 are or 100 steps pass, whatever holes it leaves (min_occupancy 0).
     sched = SchedulerConfig(min_large_batch=10, max_wait_steps=100, min_occupancy=0)
-    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, scheduler=sched)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, dispatch=dispatch, scheduler=sched)
+    )
     seen: list[bool] = []
 
     def when(e: RoutedEngine, t: list[list[int]]) -> int | None:
@@ -113,7 +127,11 @@ def test_abort_while_parked(pair: Any, dispatch: str) -> None:
 def test_abort_while_catchup_in_flight(pair: Any) -> None:
     router = ScriptedRouter({1: [3], 3: [3]})
     prompts = make_prompts(4, seed=53, shared=5)
-    eng = RoutedEngine(*pair, router, 256, large_step_cost=5.0, topology="two-devices")
+    eng = RoutedEngine(
+        *pair,
+        router,
+        config=EngineConfig(num_slots=256, large_step_cost=5.0, topology="two-devices"),
+    )
     seen: list[bool] = []
 
     def when(e: RoutedEngine, t: list[list[int]]) -> int | None:
@@ -150,7 +168,9 @@ def test_threaded_abort_queued_at_large_worker(pair: Any) -> None:
     router = _SignalRouter({0: [2]})
     prompts = make_prompts(4, seed=54, shared=4)
     sched = SchedulerConfig(min_large_batch=100, max_wait_s=100.0, min_occupancy=0.0)
-    eng = RoutedEngine(*pair, router, 512, scheduler=sched, mode="threaded")
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=512, scheduler=sched, mode="threaded")
+    )
     res = consume(eng, prompts, NEW, lambda e, t: 0 if router.parked.is_set() else None)
     assert eng.stats.catchup_batch_sizes == []  # aborted before the large model ever ran
     assert eng.stats.aborted == 1
@@ -175,7 +195,7 @@ def test_abort_from_router_marks_generate_result(pair: Any, mode: str) -> None:
 
     router = AbortAt({1: [2], 2: [0, 3]})
     prompts = make_prompts(3, seed=55)
-    eng = RoutedEngine(*pair, router, 256, mode=mode)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=256, mode=mode))
     holder.append(eng)
     res = eng.generate(prompts, 8)
     assert res.aborted == [False, True, False]
@@ -195,7 +215,9 @@ def test_abort_many_bernoulli(pair: Any, mode: str, num_slots: int) -> None:
     router = BernoulliRouter(0.3, seed=5)
     prompts = make_prompts(7, seed=56, shared=8, lo=2, hi=7)
     sched = SchedulerConfig(max_running=5, min_large_batch=2, max_wait_steps=1, max_wait_s=0.002)
-    eng = RoutedEngine(*pair, router, num_slots, scheduler=sched, mode=mode)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=num_slots, scheduler=sched, mode=mode)
+    )
     plan = {3: 1, 10: 4, 25: 6}  # after the n-th event, abort this request
 
     def when(e: RoutedEngine, t: list[list[int]]) -> int | None:
@@ -214,7 +236,7 @@ def test_abort_many_bernoulli(pair: Any, mode: str, num_slots: int) -> None:
 def test_abort_unknown_or_finished(pair: Any, mode: str) -> None:
     router = ScriptedRouter({0: [1]})
     prompts = make_prompts(2, seed=57)
-    eng = RoutedEngine(*pair, router, 256, mode=mode)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=256, mode=mode))
     with pytest.raises(RuntimeError, match="no stream"):
         eng.abort(0)
     tokens: list[list[int]] = [[], []]
@@ -243,7 +265,7 @@ def test_abort_refused_once_the_last_token_is_committed(pair: Any, mode: str) ->
     """Between a request's last token and its release a caller may already hold that token
     (a threaded stream races into this window): abort() there is a no-op, and the request
     ends by its own reason with every token."""
-    eng = RoutedEngine(*pair, ScriptedRouter({}), 256, mode=mode)
+    eng = RoutedEngine(*pair, ScriptedRouter({}), config=EngineConfig(num_slots=256, mode=mode))
     in_window: list[bool] = []
     finish = eng.sched.finish
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, reference_generate
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing import BernoulliRouter, EngineConfig, RoutedEngine, reference_generate
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 
 @pytest.mark.parametrize("mode", ["events", "threaded"])
@@ -66,7 +66,11 @@ def test_64_concurrent_streams_wait_a_bounded_number_of_steps(pair: Any, backgro
     catch-ups overfill) kept some waiting until the whole first wave drained (~100 steps)."""
     router = BernoulliRouter(0.3, seed=21)
     prompts = make_prompts(64, seed=21, shared=12, lo=4, hi=20)
-    eng = RoutedEngine(*pair, router, 16384, scheduler=SchedulerConfig(max_running=32))
+    eng = RoutedEngine(
+        *pair,
+        router,
+        config=EngineConfig(num_slots=16384, scheduler=SchedulerConfig(max_running=32)),
+    )
     assert eng.sched_config.max_admitted == 64
     if background:
         eng.start()
@@ -92,7 +96,7 @@ def test_admission_is_fcfs_and_takes_a_freed_place_at_once(pair: Any, max_parked
     router = BernoulliRouter(0.3, seed=22)
     prompts = _distinct_prompts(40, seed=22)
     sched = SchedulerConfig(max_running=6, max_parked=max_parked)
-    eng = RoutedEngine(*pair, router, 4096, scheduler=sched)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=4096, scheduler=sched))
     s = eng.sched
     order: list[int] = []
     real_admit = s.admit

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 from routing_helpers import check_idle, make_prompts
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
+from tokencache_routing import (
+    BernoulliRouter,
+    EngineConfig,
+    RoutedEngine,
+    ScriptedRouter,
+    reference_generate,
+)
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 NAIVE = [
@@ -50,7 +56,11 @@ def test_naive_reprefills_the_partial_page_on_every_return(
 
     def run(d: str) -> Any:
         # tokencache without overlap: the naive dispatchers' schedule (they have none)
-        eng = RoutedEngine(*pair, router, 2048, dispatch=d, page_size=page_size, overlap=False)
+        eng = RoutedEngine(
+            *pair,
+            router,
+            config=EngineConfig(num_slots=2048, dispatch=d, page_size=page_size, overlap=False),
+        )
         res = eng.generate(prompts, 16)
         check_idle(eng)
         return res
@@ -82,7 +92,9 @@ def test_no_dispatcher_leaks_the_partial_page(pair: Any, dispatch: str, page_siz
         make_prompts(1, seed=63, lo=7, hi=7)[0],
         [90, *make_prompts(1, seed=64, lo=4, hi=4)[0]],
     ]
-    eng = RoutedEngine(*pair, router, 64, dispatch=dispatch, page_size=page_size)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=64, dispatch=dispatch, page_size=page_size)
+    )
     ref, _ = reference_generate(*pair, prompts, 9, router.decide)
     for _ in range(2):
         assert eng.generate(prompts, 9).tokens == ref

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokencache_routing.tools import bench
+from tokencache_routing.tools import bench, bench_prompts
 
 
 @pytest.mark.parametrize("profile", ["h200-2026-11-30", "h200-roofline"])
@@ -58,18 +58,18 @@ def test_make_prompts_draws_k_system_prompts_round_robin() -> None:
     rng = np.random.default_rng(seed)
     base = rng.integers(0, vocab, shared).tolist()
     historical = [base + rng.integers(0, vocab, unique).tolist() for _ in range(n)]
-    assert bench.make_prompts(n, shared, unique, vocab, seed) == historical
-    assert bench.make_prompts(n, shared, unique, vocab, seed, 1) == historical
+    assert bench_prompts.make_prompts(n, shared, unique, vocab, seed) == historical
+    assert bench_prompts.make_prompts(n, shared, unique, vocab, seed, 1) == historical
     k = 3
-    prompts = bench.make_prompts(n, shared, unique, vocab, seed, k)
-    systems = bench.system_prompts_of(prompts, shared)
+    prompts = bench_prompts.make_prompts(n, shared, unique, vocab, seed, k)
+    systems = bench_prompts.system_prompts_of(prompts, shared)
     assert len(systems) == k and systems[0] == base
     for i, q in enumerate(prompts):
         assert len(q) == shared + unique and q[:shared] == systems[i % k]
-    assert bench.longest_common_prefix(systems) < shared  # K distinct prompts
-    assert bench.longest_common_prefix(prompts) >= shared
+    assert bench_prompts.longest_common_prefix(systems) < shared  # K distinct prompts
+    assert bench_prompts.longest_common_prefix(prompts) >= shared
     with pytest.raises(ValueError, match="system_prompts"):
-        bench.make_prompts(n, shared, unique, vocab, seed, 0)
+        bench_prompts.make_prompts(n, shared, unique, vocab, seed, 0)
 
 
 def test_bench_runs_on_several_system_prompts(

@@ -1,5 +1,5 @@
 """The serving benchmark's named workloads, its concurrency sweep, output-length sweep and the
-per-step breakdown (tokencache_routing.bench_workloads): shapes, equal token counts across
+per-step breakdown (tokencache_routing.tools.bench_workloads): shapes, equal token counts across
 systems, and a breakdown whose parts add up to the engine clock."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tokencache_routing.tools import bench
+from tokencache_routing.tools import bench, bench_rows
 from tokencache_routing.tools.bench_workloads import PARTS, Sample, StepTrace
 
 ROUTED = ("naive", "naive-sglang", "tokencache")
@@ -91,8 +91,8 @@ def test_reasoning_concurrency_sweep(capsys: pytest.CaptureFixture[str], tmp_pat
     ran = {r["system"] for r in rows}
     assert {"small alone", "large alone", "naive", "tokencache"} <= ran
     for c in (1, 4):
-        mine = [r for r in rows if r["max_running"] == c and r["system"] not in bench.LIMITS]
-        assert {r["system"] for r in mine} == ran - set(bench.LIMITS)
+        mine = [r for r in rows if r["max_running"] == c and r["system"] not in bench_rows.LIMITS]
+        assert {r["system"] for r in mine} == ran - set(bench_rows.LIMITS)
         for r in mine:
             # EOS-free: every system writes every request's 48 tokens.
             assert r["requests"] == c and r["tokens"] == c * 48 and r["max_new"] == 48
@@ -117,7 +117,7 @@ def test_output_length_sweep(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert "tokencache: bookkeeping share at 48 new tokens / at 16" in out
     rows = _rows(tmp_path)
     for new in (16, 48):
-        mine = [r for r in rows if r["max_new"] == new and r["system"] not in bench.LIMITS]
+        mine = [r for r in rows if r["max_new"] == new and r["system"] not in bench_rows.LIMITS]
         assert {r["tokens"] for r in mine} == {4 * new}  # --quick: 4 requests
         tc = next(r for r in mine if r["system"] == "tokencache")
         # the tree's cost per step over the generation, for the depth plot
@@ -214,7 +214,7 @@ def test_tpot_is_per_request_and_itl_per_token(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "new" / "bench.json").read_text())
     data["rows"] = [old]
     (tmp_path / "old.json").write_text(json.dumps(data))
-    (loaded,), _ = bench.load_rows([str(tmp_path / "old.json")])
+    (loaded,), _ = bench_rows.load_rows([str(tmp_path / "old.json")])
     assert (loaded.itl_p50_ms, loaded.itl_p99_ms) == (row["itl_p50_ms"], row["itl_p99_ms"])
     assert math.isnan(loaded.tpot_p50_ms) and math.isnan(loaded.tpot_p99_ms)
     assert loaded.extra["itl_small_p99_ms"] == row["extra"]["itl_small_p99_ms"]
@@ -250,11 +250,13 @@ def test_staggered_arrivals_land_prefills_among_decoding_rows(tmp_path: Path) ->
     from routing_helpers import make_prompts, tiny_config
 
     from tokencache_models import random_model
-    from tokencache_routing import RoutedEngine, ScriptedRouter
+    from tokencache_routing import EngineConfig, RoutedEngine, ScriptedRouter
 
     small = random_model(tiny_config(1), seed=1, attention_backend="torch").eval()
     large = random_model(tiny_config(2), seed=2, attention_backend="torch").eval()
-    eng = RoutedEngine(small, large, ScriptedRouter(), 512, clock="steps")
+    eng = RoutedEngine(
+        small, large, ScriptedRouter(), config=EngineConfig(num_slots=512, clock="steps")
+    )
     p = make_prompts(2, seed=5)
     first = eng.submit(p[0], 10)
     late = eng.submit(p[1], 4, arrival_s=5.0)

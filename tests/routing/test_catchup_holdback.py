@@ -12,7 +12,7 @@ from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter, ScriptedRouter
 from tokencache_routing.core.holdback import take_catchup_batch
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 from tokencache_routing.core.state import GREEDY, Request
 
 LARGE = 1
@@ -136,14 +136,14 @@ def test_a_cached_prompt_holds_nobody_back(pair: Any) -> None:
     """The hold-backs ask the model side how much of a prompt its cache holds
     (ModelSide.cached_prefix_len): once a system prompt is cached, requests on it are admitted
     together and catch up together (nothing held back), where an uncached one holds them."""
-    from tokencache_routing import RoutedEngine
+    from tokencache_routing import EngineConfig, RoutedEngine
 
     system = make_prompts(1, seed=21, shared=0, lo=24, hi=24)[0]
     prompts = [system + q for q in make_prompts(6, seed=22, shared=0, lo=3, hi=6)]
-    cold = RoutedEngine(*pair, ScriptedRouter(default=[1]), 1024)
+    cold = RoutedEngine(*pair, ScriptedRouter(default=[1]), config=EngineConfig(num_slots=1024))
     cold.generate(prompts, 4)
     assert cold.stats.held_back > 0
-    warm = RoutedEngine(*pair, ScriptedRouter(default=[0, 1]), 1024)
+    warm = RoutedEngine(*pair, ScriptedRouter(default=[0, 1]), config=EngineConfig(num_slots=1024))
     warm.generate([system], 1)  # cached in both models (escalated at its first token)
     warm.router = ScriptedRouter(default=[1])
     before = (warm.stats.held_back, warm.stats.large_held_back)

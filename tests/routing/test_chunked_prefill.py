@@ -20,6 +20,7 @@ from test_failures import Flaky, FlakyModel, check_exact, check_idle
 
 from tokencache_routing import (
     BernoulliRouter,
+    EngineConfig,
     EntropyRouter,
     RoutedEngine,
     SchedulerConfig,
@@ -111,7 +112,7 @@ def run_checked(
             "large_chunked_prefill_size": large_budget,
         }
     )
-    eng = RoutedEngine(small, large, router, scheduler=sched, **kw)
+    eng = RoutedEngine(small, large, router, config=EngineConfig(scheduler=sched, **kw))
     rec = Recorder(eng)
     res = eng.generate(prompts, max_new)
     ref_tokens, ref_models = reference_generate(small, large, prompts, max_new, decide)
@@ -276,7 +277,9 @@ def test_decode_rows_never_stalled_by_a_long_prompt(
     decode, every step of the long prefill holds both."""
     small, large = pair
     sched = SchedulerConfig(max_running=4, chunked_prefill_size=budget)
-    eng = RoutedEngine(small, large, ScriptedRouter(), 1024, scheduler=sched)
+    eng = RoutedEngine(
+        small, large, ScriptedRouter(), config=EngineConfig(num_slots=1024, scheduler=sched)
+    )
     rec = Recorder(eng)
     short = make_prompts(2, seed=50, lo=3, hi=5)
     long = make_prompts(1, seed=51, lo=150, hi=150)[0]
@@ -323,7 +326,12 @@ def test_forward_error_mid_chunk_releases_everything(
     else:
         large = FlakyModel(large, lambda i: i == 2, boom)
     sched = SchedulerConfig(chunked_prefill_size=5)
-    eng = RoutedEngine(small, large, router, 256, dispatch=dispatch, mode=mode, scheduler=sched)
+    eng = RoutedEngine(
+        small,
+        large,
+        router,
+        config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode, scheduler=sched),
+    )
     rec = Recorder(eng)
     with pytest.raises(RuntimeError, match="forward failed"):
         eng.generate(make_prompts(4, seed=65, shared=11, lo=8, hi=16), 10)
@@ -338,7 +346,12 @@ def test_abort_mid_prefill_releases_everything(pair: Any, dispatch: str, mode: s
     small, large = pair
     router = ScriptedRouter({0: [0], 1: [1]})
     sched = SchedulerConfig(chunked_prefill_size=4)
-    eng = RoutedEngine(small, large, router, 256, dispatch=dispatch, mode=mode, scheduler=sched)
+    eng = RoutedEngine(
+        small,
+        large,
+        router,
+        config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode, scheduler=sched),
+    )
     prompts = make_prompts(3, seed=70, shared=6, lo=20, hi=30)
     handles = [eng.submit(q, 8, route_key=i) for i, q in enumerate(prompts)]
     if mode == "events":
@@ -386,9 +399,17 @@ def test_fault_injection_soak_chunked(pair: Any, dispatch: str, mode: str) -> No
             large_chunked_prefill_size=rng.choice([None, 2, 5]),
         )  # fmt: skip
         eng = RoutedEngine(
-            flaky_small, flaky_large, inner, 96, dispatch=dispatch, mode=mode,
-            page_size=rng.choice([1, 2, 4]), scheduler=sched,
-        )  # fmt: skip
+            flaky_small,
+            flaky_large,
+            inner,
+            config=EngineConfig(
+                num_slots=96,
+                dispatch=dispatch,
+                mode=mode,
+                page_size=rng.choice([1, 2, 4]),
+                scheduler=sched,
+            ),
+        )
         pool = eng.large.pool
         real = pool.alloc_array
         flaky = Flaky(real, lambda i, r=rates[2], g=rng: g.random() < r, MemoryError("a"))
@@ -453,7 +474,12 @@ def test_overlap_runs_a_chunked_prompt_one_chunk_per_step(pair: Any, mode: str) 
     one. (Joining only the step after, as before, leaves every other forward without it.)"""
     small, large = pair
     sched = SchedulerConfig(chunked_prefill_size=8)
-    eng = RoutedEngine(small, large, EntropyRouter(math.inf), 512, mode=mode, scheduler=sched)
+    eng = RoutedEngine(
+        small,
+        large,
+        EntropyRouter(math.inf),
+        config=EngineConfig(num_slots=512, mode=mode, scheduler=sched),
+    )
     assert eng.overlap
     prompt = make_prompts(1, seed=81, lo=41, hi=41)[0]  # 41 pending tokens: 6 chunks
     forwards: list[tuple[int, bool]] = []  # (tokens, continues the forward in flight)
@@ -484,7 +510,12 @@ def test_abort_between_chunks_in_flight_lists_the_request_once(pair: Any, mode: 
     abort: its KV re-attached and never released)."""
     small, large = pair
     sched = SchedulerConfig(chunked_prefill_size=5)
-    eng = RoutedEngine(small, large, EntropyRouter(math.inf), 512, mode=mode, scheduler=sched)
+    eng = RoutedEngine(
+        small,
+        large,
+        EntropyRouter(math.inf),
+        config=EngineConfig(num_slots=512, mode=mode, scheduler=sched),
+    )
     inner = eng.sched.finish_small
     aborted: list[bool] = []
 

@@ -1,4 +1,4 @@
-"""RoutedEngine(large_tp=2): the engine starts its large model's worker rank itself (gloo on
+"""EngineConfig(large_tp=2): the engine starts its large model's worker rank itself (gloo on
 127.0.0.1), and stops it.
 
 As in tests/models/test_tensor_parallel.py, each multi-process case runs in a driver subprocess
@@ -80,7 +80,7 @@ def engine(
     router: Any = None,
     num_slots: int = 256,
 ) -> Any:
-    from tokencache_routing import BernoulliRouter, RoutedEngine, SchedulerConfig
+    from tokencache_routing import BernoulliRouter, EngineConfig, RoutedEngine, SchedulerConfig
 
     router = router or BernoulliRouter(0.3, seed=5)
     sched = SchedulerConfig(max_running=4, min_large_batch=2, max_wait_steps=2)
@@ -89,9 +89,11 @@ def engine(
         large.executor.decode_padding = True
     small.executor.decode_padding = True
     return RoutedEngine(
-        small, large, router, num_slots=num_slots, scheduler=sched, mode=mode,
-        **kw,
-    )  # fmt: skip
+        small,
+        large,
+        router,
+        config=EngineConfig(num_slots=num_slots, scheduler=sched, mode=mode, **kw),
+    )
 
 
 def driver_equal() -> dict[str, Any]:
@@ -123,7 +125,7 @@ def driver_kill(mode: str, when: str) -> dict[str, Any]:
     """when "busy": killed while catch-ups keep coming (random escalations); "idle": every
     request escalates once, at its 3rd token, then decodes on the small model alone, so the
     group is idle when the worker dies and only the launcher's watchdog can end them."""
-    from tokencache_models.tp_worker import TPWorkerLost
+    from tokencache_models.parallel.runtime import TPWorkerLost
     from tokencache_routing import ScriptedRouter
 
     small, large = models()
@@ -206,20 +208,27 @@ def test_dead_worker_ends_every_request(mode: str, when: str) -> None:
 
 
 def test_refuses_what_cannot_run() -> None:
-    from tokencache_routing import BernoulliRouter, RoutedEngine
+    from tokencache_routing import BernoulliRouter, EngineConfig, RoutedEngine
 
     small, large = models()
     router = BernoulliRouter(0.1)
     with pytest.raises(ValueError, match="large_tp must be a positive int"):
-        RoutedEngine(small, large, router, num_slots=64, large_tp=0)
+        RoutedEngine(small, large, router, config=EngineConfig(num_slots=64, large_tp=0))
     with pytest.raises(ValueError, match="large_tp_devices"):
-        RoutedEngine(small, large, router, num_slots=64, large_tp=2, large_device="cpu")
+        RoutedEngine(
+            small, large, router, config=EngineConfig(num_slots=64, large_tp=2, large_device="cpu")
+        )
     with pytest.raises(ValueError, match="needs 2 devices"):
-        RoutedEngine(small, large, router, num_slots=64, large_tp=2, large_tp_devices=["cpu"])
+        RoutedEngine(
+            small,
+            large,
+            router,
+            config=EngineConfig(num_slots=64, large_tp=2, large_tp_devices=["cpu"]),
+        )
     with pytest.raises(ValueError, match="go with large_tp"):
-        RoutedEngine(small, large, router, num_slots=64, configure=PadDecode())
+        RoutedEngine(small, large, router, config=EngineConfig(num_slots=64, configure=PadDecode()))
     # large_tp=1: no group, the model as it is
-    eng = RoutedEngine(small, large, router, num_slots=64, large_tp=1)
+    eng = RoutedEngine(small, large, router, config=EngineConfig(num_slots=64, large_tp=1))
     assert eng.large.model.tp is None and eng._large_tp is None
     eng.shutdown()
 

@@ -12,7 +12,13 @@ import torch
 from routing_helpers import check_idle, make_prompts
 
 from tokencache_models import Epilogue
-from tokencache_routing import EntropyRouter, RoutedEngine, SamplingParams, SchedulerConfig
+from tokencache_routing import (
+    EngineConfig,
+    EntropyRouter,
+    RoutedEngine,
+    SamplingParams,
+    SchedulerConfig,
+)
 from tokencache_routing.core.kv import ModelSide
 from tokencache_routing.core.routers import RouterFeatures
 
@@ -24,10 +30,12 @@ def _generate(pair: Any, mode: str, overlap: bool) -> tuple[RoutedEngine, list[A
     eng = RoutedEngine(
         *pair,
         EntropyRouter(3.5),
-        num_slots=1024,
-        mode=mode,
-        overlap=overlap,
-        scheduler=SchedulerConfig(max_running=5, min_large_batch=2, max_wait_steps=2),
+        config=EngineConfig(
+            num_slots=1024,
+            mode=mode,
+            overlap=overlap,
+            scheduler=SchedulerConfig(max_running=5, min_large_batch=2, max_wait_steps=2),
+        ),
     )
     handles = [eng.submit(p, 12, sampling=SAMPLING[i % 4]) for i, p in enumerate(prompts)]
     assert all(h.wait(120) for h in handles)
@@ -82,7 +90,7 @@ def test_only_a_router_whose_answer_is_the_threshold_is_answered_on_the_device(p
         def route(self, f: RouterFeatures) -> torch.Tensor:
             return (f.entropy >= self.threshold) & (f.positions >= 10)
 
-    eng = RoutedEngine(*pair, EntropyRouter(2.0), num_slots=256)
+    eng = RoutedEngine(*pair, EntropyRouter(2.0), config=EngineConfig(num_slots=256))
     side = eng.sched.sides[0]
     assert side.epilogue(EntropyRouter(2.0)) == Epilogue(eng.vocab_size, True, 2.0)
     assert side.epilogue(Later(2.0)) == Epilogue(eng.vocab_size, True, None)
@@ -102,7 +110,9 @@ def test_only_a_router_whose_answer_is_the_threshold_is_answered_on_the_device(p
 
     Later.route = counted  # type: ignore[method-assign]
     try:
-        out = RoutedEngine(*pair, Later(0.0), num_slots=1024).generate(prompts, 14)
+        out = RoutedEngine(*pair, Later(0.0), config=EngineConfig(num_slots=1024)).generate(
+            prompts, 14
+        )
     finally:
         Later.route = route  # type: ignore[method-assign]
     assert asked  # its own route answered

@@ -9,13 +9,15 @@ from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import (
     BernoulliRouter,
+    EngineConfig,
     EntropyRouter,
     RoutedEngine,
     ScriptedRouter,
     reference_generate,
 )
 from tokencache_routing.baselines.reference import decide_from_models
-from tokencache_routing.core.scheduler import LaunchPolicy, SchedulerConfig
+from tokencache_routing.core.launch_policy import LaunchPolicy
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 DISPATCH = ["tokencache", "naive"]
 
@@ -132,7 +134,9 @@ def test_tiny_pool_evicts_and_preempts(pair: Any, dispatch: str) -> None:
 def test_entropy_router_recorded_decisions(pair: Any, dispatch: str) -> None:
     small, large = pair
     prompts = make_prompts(5, seed=9)
-    eng = RoutedEngine(small, large, EntropyRouter(3.5), num_slots=512, dispatch=dispatch)
+    eng = RoutedEngine(
+        small, large, EntropyRouter(3.5), config=EngineConfig(num_slots=512, dispatch=dispatch)
+    )
     res = eng.generate(prompts, 12)
     ref, _ = reference_generate(small, large, prompts, 12, decide_from_models(res.models))
     assert res.tokens == ref
@@ -146,11 +150,16 @@ def test_naive_equals_tokencache_and_stream(pair: Any) -> None:
     sched = SchedulerConfig(max_running=3, min_large_batch=2, max_wait_steps=2)
     out = {}
     for dispatch in DISPATCH:
-        eng = RoutedEngine(small, large, router, num_slots=512, dispatch=dispatch, scheduler=sched)
+        eng = RoutedEngine(
+            small,
+            large,
+            router,
+            config=EngineConfig(num_slots=512, dispatch=dispatch, scheduler=sched),
+        )
         out[dispatch] = eng.generate(prompts, 9)
     assert out["naive"].tokens == out["tokencache"].tokens
     assert out["naive"].models == out["tokencache"].models
-    eng = RoutedEngine(small, large, router, num_slots=512, scheduler=sched)
+    eng = RoutedEngine(small, large, router, config=EngineConfig(num_slots=512, scheduler=sched))
     tokens: list[list[int]] = [[] for _ in prompts]
     models: list[list[int]] = [[] for _ in prompts]
     for rid, tok, model in eng.stream(prompts, 9):
@@ -166,7 +175,12 @@ def test_eos_stops_a_request(pair: Any, dispatch: str) -> None:
     prompts = make_prompts(4, seed=12)
     free_run, _ = reference_generate(small, large, prompts, 10, bernoulli_decide(router))
     eos = free_run[0][4]  # a token that really occurs
-    eng = RoutedEngine(small, large, router, num_slots=256, dispatch=dispatch, eos_token_id=eos)
+    eng = RoutedEngine(
+        small,
+        large,
+        router,
+        config=EngineConfig(num_slots=256, dispatch=dispatch, eos_token_id=eos),
+    )
     res = eng.generate(prompts, 10)
     ref, _ = reference_generate(small, large, prompts, 10, bernoulli_decide(router), eos)
     assert res.tokens == ref

@@ -23,6 +23,7 @@ from routing_helpers import (
 
 from tokencache_routing import (
     BernoulliRouter,
+    EngineConfig,
     RoutedEngine,
     Router,
     SamplingParams,
@@ -46,7 +47,9 @@ def snapshot(eng: RoutedEngine) -> tuple[Any, ...]:
 @pytest.mark.parametrize("dispatch,mode", MODES)
 def test_two_threads_generate_on_one_engine(pair: Any, dispatch: str, mode: str) -> None:
     router = BernoulliRouter(0.3, seed=3)
-    eng = RoutedEngine(*pair, router, 512, dispatch=dispatch, mode=mode)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=512, dispatch=dispatch, mode=mode)
+    )
     jobs = [make_prompts(4, seed=60, shared=5), make_prompts(3, seed=61)]
     results: dict[int, Any] = {}
     errors: list[BaseException] = []
@@ -71,7 +74,9 @@ def test_two_threads_generate_on_one_engine(pair: Any, dispatch: str, mode: str)
 
 def test_submit_from_many_threads_with_background_driver(pair: Any) -> None:
     router = BernoulliRouter(0.2, seed=4)
-    eng = RoutedEngine(*pair, router, 512, scheduler=SchedulerConfig(max_running=3))
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=512, scheduler=SchedulerConfig(max_running=3))
+    )
     eng.start()
     prompts = make_prompts(8, seed=62, shared=3)
     handles: list[Any] = [None] * len(prompts)
@@ -100,7 +105,9 @@ def test_submit_from_many_threads_with_background_driver(pair: Any) -> None:
 def test_naive_page_two_handoff_frees_the_partial_page(pair: Any) -> None:
     router = ScriptedRouter({0: [2]})
     prompt = make_prompts(1, seed=63, lo=7, hi=7)
-    eng = RoutedEngine(*pair, router, 64, dispatch="naive", page_size=2)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=64, dispatch="naive", page_size=2)
+    )
     res = eng.generate(prompt, 6)
     ref, _ = reference_generate(*pair, prompt, 6, router.decide)
     assert res.tokens == ref
@@ -111,7 +118,9 @@ def test_naive_page_two_handoff_frees_the_partial_page(pair: Any) -> None:
 def test_page_four_small_pool_runs_to_the_end(pair: Any, dispatch: str) -> None:
     router = BernoulliRouter(0.2, seed=5)
     prompts = make_prompts(8, seed=64, lo=3, hi=8)
-    eng = RoutedEngine(*pair, router, 64, dispatch=dispatch, page_size=4)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=64, dispatch=dispatch, page_size=4)
+    )
     res = eng.generate(prompts, 30)
     ref, _ = reference_generate(*pair, prompts, 30, bernoulli_decide(router))
     assert res.tokens == ref
@@ -131,7 +140,9 @@ def test_forward_error_releases_the_batch(pair: Any, dispatch: str, mode: str, w
         small = FlakyModel(small, lambda i: i == 3, boom)
     else:
         large = FlakyModel(large, lambda i: i == 1, boom)
-    eng = RoutedEngine(small, large, router, 256, dispatch=dispatch, mode=mode)
+    eng = RoutedEngine(
+        small, large, router, config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode)
+    )
     with pytest.raises(RuntimeError, match="forward failed"):
         eng.generate(make_prompts(4, seed=65, shared=3), 10)
     check_idle(eng)
@@ -143,7 +154,9 @@ def test_forward_error_releases_the_batch(pair: Any, dispatch: str, mode: str, w
 def test_router_error_releases_pins(pair: Any, dispatch: str, mode: str) -> None:
     inner = BernoulliRouter(0.3, seed=7)
     router = FlakyRouter(inner, lambda i: i == 4, ValueError("router failed"))
-    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode, page_size=4)
+    )
     with pytest.raises(ValueError, match="router failed"):
         eng.generate(make_prompts(5, seed=66, shared=9), 12)
     check_idle(eng)
@@ -155,7 +168,9 @@ def test_router_error_releases_pins(pair: Any, dispatch: str, mode: str) -> None
 def test_keyboard_interrupt_mid_stream(pair: Any, dispatch: str, mode: str) -> None:
     inner = BernoulliRouter(0.3, seed=8)
     router = FlakyRouter(inner, lambda i: i == 3, KeyboardInterrupt())
-    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode, page_size=4)
+    )
     with pytest.raises(KeyboardInterrupt):
         eng.generate(make_prompts(5, seed=67, shared=6), 12)
     check_idle(eng)
@@ -166,7 +181,9 @@ def test_keyboard_interrupt_mid_stream(pair: Any, dispatch: str, mode: str) -> N
 @pytest.mark.parametrize("dispatch,mode", MODES)
 def test_allocator_memory_error_mid_stream(pair: Any, dispatch: str, mode: str) -> None:
     router = BernoulliRouter(0.3, seed=9)
-    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode, page_size=4)
+    )
     pool = eng.large.pool
     real = pool.alloc_array
     pool.alloc_array = Flaky(real, lambda i: i == 2, MemoryError("no memory"))  # type: ignore[method-assign]
@@ -180,7 +197,9 @@ def test_allocator_memory_error_mid_stream(pair: Any, dispatch: str, mode: str) 
 @pytest.mark.parametrize("dispatch,mode", MODES)
 def test_abandoned_stream_releases_everything(pair: Any, dispatch: str, mode: str) -> None:
     router = BernoulliRouter(0.3, seed=10)
-    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode, page_size=4)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode, page_size=4)
+    )
     it = eng.stream(make_prompts(5, seed=69, shared=6), 20)
     for _ in range(7):
         next(it)
@@ -204,9 +223,13 @@ def test_fault_injection_soak(pair: Any, dispatch: str, mode: str) -> None:
         page = rng.choice([1, 2, 4])
         sched = SchedulerConfig(max_running=rng.choice([2, 4]), min_large_batch=2, max_wait_steps=1)
         eng = RoutedEngine(
-            flaky_small, flaky_large, router, 96, dispatch=dispatch, mode=mode, page_size=page,
-            scheduler=sched,
-        )  # fmt: skip
+            flaky_small,
+            flaky_large,
+            router,
+            config=EngineConfig(
+                num_slots=96, dispatch=dispatch, mode=mode, page_size=page, scheduler=sched
+            ),
+        )
         pool = eng.small.pool
         real = pool.alloc_array
         flaky = Flaky(real, lambda i, r=rates[3], g=rng: g.random() < r, MemoryError("a"))
@@ -240,7 +263,7 @@ def test_fault_injection_soak(pair: Any, dispatch: str, mode: str) -> None:
 def test_bad_input_is_refused_before_any_work(
     pair: Any, prompts: Any, max_new: Any, error: type
 ) -> None:
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3), 256)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3), config=EngineConfig(num_slots=256))
     eng.generate([[4, 5, 6]], 3)  # warm trees
     before = snapshot(eng)
     with pytest.raises(error):
@@ -250,7 +273,7 @@ def test_bad_input_is_refused_before_any_work(
 
 
 def test_submit_validates_sampling_and_stop_ids(pair: Any) -> None:
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3), 256)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3), config=EngineConfig(num_slots=256))
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError):
@@ -297,11 +320,11 @@ def test_scheduler_config_refuses_values_that_would_hang(kw: dict[str, Any]) -> 
 )
 def test_engine_config_is_checked(pair: Any, kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
-        RoutedEngine(*pair, BernoulliRouter(0.3), **kw)
+        RoutedEngine(*pair, BernoulliRouter(0.3), config=EngineConfig(**kw))
 
 
 def test_abort_takes_an_index_not_a_bool(pair: Any) -> None:
-    eng = RoutedEngine(*pair, ScriptedRouter(), 256)
+    eng = RoutedEngine(*pair, ScriptedRouter(), config=EngineConfig(num_slots=256))
     it = eng.stream(make_prompts(2, seed=70), 5)
     next(it)
     with pytest.raises(TypeError):
@@ -321,7 +344,7 @@ def test_router_may_answer_with_a_list_or_array(pair: Any, answer: Any) -> None:
             return answer(len(f.rids))
 
     prompts = make_prompts(3, seed=71)
-    eng = RoutedEngine(*pair, ListRouter(), 256)
+    eng = RoutedEngine(*pair, ListRouter(), config=EngineConfig(num_slots=256))
     res = eng.generate(prompts, 5)
     ref, _ = reference_generate(*pair, prompts, 5, lambda r, p: False)
     assert res.tokens == ref
@@ -334,14 +357,14 @@ def test_router_with_a_wrong_answer_is_refused_clearly(pair: Any, answer: Any) -
         def route(self, f: Any) -> Any:
             return answer(len(f.rids))
 
-    eng = RoutedEngine(*pair, BadRouter(), 256)
+    eng = RoutedEngine(*pair, BadRouter(), config=EngineConfig(num_slots=256))
     with pytest.raises((TypeError, ValueError), match="router answered"):
         eng.generate(make_prompts(3, seed=72), 5)
     check_idle(eng)
 
 
 def test_sampling_is_reproducible_per_seed(pair: Any) -> None:
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=12), 256)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=12), config=EngineConfig(num_slots=256))
     prompt = make_prompts(1, seed=73)[0]
     sp = SamplingParams(temperature=1.5, top_p=0.9, seed=1234)
     a = eng.submit(prompt, 12, sampling=sp, route_key=5)
@@ -381,7 +404,9 @@ class ReleaseFails:
 def test_release_error_ends_that_request_alone(pair: Any, dispatch: str, mode: str) -> None:
     """Three requests finish in one small step and the release of the middle one raises: it
     ends with that error (its tokens delivered), the other two end with theirs."""
-    eng = RoutedEngine(*pair, ScriptedRouter({}), 256, dispatch=dispatch, mode=mode)
+    eng = RoutedEngine(
+        *pair, ScriptedRouter({}), config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode)
+    )
     boom = OSError("release failed")
     ReleaseFails(eng.sched, 1, boom)
     prompts = make_prompts(3, seed=80, lo=5, hi=5)
@@ -401,7 +426,7 @@ def test_aborts_reach_the_batch_mates_of_a_failed_release(pair: Any, mode: str) 
     """The batch-mates of a request whose release raised stay in the scheduler's lists: an
     abort made when that request ends (its listener, before the next step) reaches them,
     and so does shutdown()."""
-    eng = RoutedEngine(*pair, ScriptedRouter({}), 512, mode=mode)
+    eng = RoutedEngine(*pair, ScriptedRouter({}), config=EngineConfig(num_slots=512, mode=mode))
     ReleaseFails(eng.sched, 1, OSError("release failed"))
     eng.start()
     prompts = make_prompts(4, seed=81, lo=5, hi=5)
@@ -427,7 +452,11 @@ def test_aborts_reach_the_batch_mates_of_a_failed_release(pair: Any, mode: str) 
 
 @pytest.mark.parametrize("dispatch,mode", MODES)
 def test_listener_error_ends_that_request_alone(pair: Any, dispatch: str, mode: str) -> None:
-    eng = RoutedEngine(*pair, ScriptedRouter({1: [1], 2: [2]}), 256, dispatch=dispatch, mode=mode)
+    eng = RoutedEngine(
+        *pair,
+        ScriptedRouter({1: [1], 2: [2]}),
+        config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode),
+    )
     prompts = make_prompts(3, seed=82)
     handles = [eng.submit(p, 8, route_key=i) for i, p in enumerate(prompts)]
     boom = ValueError("listener failed")
@@ -463,7 +492,9 @@ def test_an_error_after_a_steps_allocation_frees_its_new_slots(
     there (here the table's scatter raises) fails the batch and gives those slots back too
     (they belonged to no handle yet: 22 small slots leaked before)."""
     router = BernoulliRouter(0.4, seed=6)
-    eng = RoutedEngine(*pair, router, 256, dispatch=dispatch, mode=mode)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, dispatch=dispatch, mode=mode)
+    )
     table = eng.sides[which].table
     real = table.scatter
     table.scatter = Flaky(real, lambda i: i == 2, OSError("scatter failed"))  # type: ignore[method-assign]
@@ -483,7 +514,7 @@ def test_an_error_in_a_continued_steps_deferred_tokens_frees_its_new_slots(
     fails the batch and gives them back, and the step in flight is not left pointing at a
     step that never ran."""
     router = BernoulliRouter(0.4, seed=7)
-    eng = RoutedEngine(*pair, router, 256, mode=mode)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=256, mode=mode))
     assert eng.overlap
     cls = batch_module.DeferredTokens
     real = cls.of_rows

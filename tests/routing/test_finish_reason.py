@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from routing_helpers import check_idle, make_prompts
 
-from tokencache_routing import RoutedEngine, SamplingParams, ScriptedRouter
-from tokencache_routing.core.scheduler import end_reasons
+from tokencache_routing import EngineConfig, RoutedEngine, SamplingParams, ScriptedRouter
+from tokencache_routing.core.forward_finishing import end_reasons
 from tokencache_routing.core.state import GREEDY, LARGE, SMALL, Request
 
 N = 5  # max_new_tokens: the stop token is the N-th generated token
@@ -43,7 +43,9 @@ def run(
     stop_token_ids: tuple[int, ...] = (),
     eos: int | None = None,
 ) -> Any:
-    eng = RoutedEngine(*pair, router_for(writer), 256, mode=mode, eos_token_id=eos)
+    eng = RoutedEngine(
+        *pair, router_for(writer), config=EngineConfig(num_slots=256, mode=mode, eos_token_id=eos)
+    )
     h = eng.submit(prompt, N, sampling=sampling, stop_token_ids=stop_token_ids)
     assert h.wait(60), "the request did not end"
     eng.shutdown()

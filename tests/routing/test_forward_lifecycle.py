@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from routing_helpers import check_idle, make_prompts
 
-from tokencache_routing import EntropyRouter, RoutedEngine
+from tokencache_routing import EngineConfig, EntropyRouter, RoutedEngine
 from tokencache_routing.core.state import SMALL
 
 
@@ -17,7 +17,9 @@ def test_a_forward_commits_once(pair: Any) -> None:
     """A second commit is refused (its rows' slots would be appended twice), and a discard
     after the commit gives nothing back (the slots are its requests' now). Ending its requests
     then releases everything."""
-    eng = RoutedEngine(*pair, EntropyRouter(math.inf), 256, overlap=False)
+    eng = RoutedEngine(
+        *pair, EntropyRouter(math.inf), config=EngineConfig(num_slots=256, overlap=False)
+    )
     eng.submit(make_prompts(1, seed=91)[0], 4)
     eng.intake()
     eng.sched.admit()
@@ -42,7 +44,9 @@ def test_the_tree_holds_the_tokens_that_were_fed(pair: Any, overlap: bool) -> No
     so a finished request's whole sequence (but its last token, never fed) is cached under
     its own tokens, exactly as without overlap."""
     prompts = make_prompts(3, seed=92, lo=6, hi=12)
-    eng = RoutedEngine(*pair, EntropyRouter(math.inf), 512, overlap=overlap)
+    eng = RoutedEngine(
+        *pair, EntropyRouter(math.inf), config=EngineConfig(num_slots=512, overlap=overlap)
+    )
     handles = [eng.submit(p, 12) for p in prompts]
     assert all(h.wait(60) for h in handles)
     side = eng.sides[SMALL]
@@ -72,7 +76,7 @@ def test_a_step_failing_after_its_commit_fails_its_requests_only(
         return resolve(self)
 
     monkeypatch.setattr(Decisions, "resolve", flaky)
-    eng = RoutedEngine(*pair, BernoulliRouter(0.2, seed=9), 512)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.2, seed=9), config=EngineConfig(num_slots=512))
     handles = [eng.submit(p, 10) for p in make_prompts(3, seed=93, shared=4)]
     assert all(h.wait(60) for h in handles)
     failed = [h for h in handles if h.finished_reason == "error"]

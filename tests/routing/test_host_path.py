@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from routing_helpers import make_prompts
 
-import tokencache_models.context as context
-from tokencache_routing import EntropyRouter, RoutedEngine, SchedulerConfig
+import tokencache_models.forward.context as context
+from tokencache_routing import EngineConfig, EntropyRouter, RoutedEngine, SchedulerConfig
 from tokencache_routing.sim.clock import GpuClock
 
 
@@ -39,7 +39,9 @@ def _moved_per_decode_step(pair: Any, prompt_len: int, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(context, "to_device", counting)
     prompts = make_prompts(4, seed=3, shared=prompt_len - 8, lo=8, hi=8)
-    eng = RoutedEngine(*pair, EntropyRouter(math.inf), num_slots=4 * prompt_len + 512)
+    eng = RoutedEngine(
+        *pair, EntropyRouter(math.inf), config=EngineConfig(num_slots=4 * prompt_len + 512)
+    )
     handles = [eng.submit(p, 12) for p in prompts]
     while any(len(h.tokens) < 2 for h in handles):
         eng.iterate()
@@ -68,11 +70,13 @@ def _engine(pair: Any, charge: str, clock: Any, overlap: bool = False) -> Routed
     return RoutedEngine(
         *pair,
         EntropyRouter(math.inf),
-        num_slots=2048,
-        scheduler=SchedulerConfig(max_running=4),
-        clock=clock,
-        host_charge=charge,
-        overlap=overlap,
+        config=EngineConfig(
+            num_slots=2048,
+            scheduler=SchedulerConfig(max_running=4),
+            clock=clock,
+            host_charge=charge,
+            overlap=overlap,
+        ),
     )
 
 
@@ -108,7 +112,9 @@ def test_rows_are_returned_whatever_ends_a_request(pair: Any) -> None:
     """Every way out (finishing, aborting, a preemption under a small pool) gives the request's
     slot-table rows back: idle_invariant checks rows_held == 0 on both models."""
     prompts = make_prompts(6, seed=8, shared=6, lo=4, hi=8)
-    eng = RoutedEngine(*pair, EntropyRouter(1.0), num_slots=48)  # tight: preemptions
+    eng = RoutedEngine(
+        *pair, EntropyRouter(1.0), config=EngineConfig(num_slots=48)
+    )  # tight: preemptions
     hs = [eng.submit(p, 14) for p in prompts]
     hs[2].abort()
     for h in hs:
@@ -137,7 +143,7 @@ def test_models_whose_vocabularies_differ_in_size_route_over_the_shared_ids(pair
         wide.lm_head.weight[small.config.vocab_size :] = 5.0  # would win every argmax
     router = BernoulliRouter(0.5, seed=3)
     prompts = make_prompts(4, seed=4, shared=4)
-    eng = RoutedEngine(small, wide, router, num_slots=512)
+    eng = RoutedEngine(small, wide, router, config=EngineConfig(num_slots=512))
     # Three greedy requests (their argmax in the forward's epilogue) and one that samples
     # from the logits themselves, which must be the shared ids' too.
     sampling = [None, None, None, SamplingParams(temperature=1.5, seed=5)]
@@ -151,14 +157,16 @@ def test_models_whose_vocabularies_differ_in_size_route_over_the_shared_ids(pair
 
 
 def test_kv_events_are_recorded_when_asked(pair: Any) -> None:
-    """RoutedEngine(kv_events=True): both trees record the pages they store (what a KV-event
+    """EngineConfig(kv_events=True): both trees record the pages they store (what a KV-event
     publisher drains with take_events); without it they record nothing."""
     prompts = make_prompts(2, seed=6, shared=8)
-    on = RoutedEngine(*pair, EntropyRouter(math.inf), num_slots=512, kv_events=True)
+    on = RoutedEngine(
+        *pair, EntropyRouter(math.inf), config=EngineConfig(num_slots=512, kv_events=True)
+    )
     on.generate(prompts, 4)
     stored = [e for e in on.small.tree.take_events() if e.kind == "stored"]
     assert stored and on.kv_events
-    off = RoutedEngine(*pair, EntropyRouter(math.inf), num_slots=512)
+    off = RoutedEngine(*pair, EntropyRouter(math.inf), config=EngineConfig(num_slots=512))
     off.generate(prompts, 4)
     assert off.small.tree.take_events() == []
 
@@ -221,8 +229,8 @@ def test_the_decode_runners_are_made_with_the_engine(monkeypatch: pytest.MonkeyP
     path) has it made when the engine is built, as a server makes it at startup: no step
     pays for its buffers (the first decode step did, ~17 ms of host on this CPU, on the
     honest clock), and every decode step then goes through it."""
-    import tokencache_models.executor as executor
-    import tokencache_models.stub as stub
+    import tokencache_models.executor.model_executor as executor
+    import tokencache_models.testing.stubbed_device as stub
     from tokencache_models import random_model
 
     made: list[executor.DecodeGraphRunner] = []
@@ -236,7 +244,7 @@ def test_the_decode_runners_are_made_with_the_engine(monkeypatch: pytest.MonkeyP
     host_path = _host_path()
 
     models = [stub.stub_execute(random_model(host_path.CONFIG, seed=s), "gpu") for s in (1, 2)]
-    eng = RoutedEngine(*models, EntropyRouter(math.inf), num_slots=4096)
+    eng = RoutedEngine(*models, EntropyRouter(math.inf), config=EngineConfig(num_slots=4096))
     assert len(made) == 2  # one a model, over its side's pool
     assert {id(r.pool) for r in made} == {id(eng.small.pool), id(eng.large.pool)}
     replayed = []

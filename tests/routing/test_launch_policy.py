@@ -7,8 +7,14 @@ from typing import Any
 import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing import (
+    BernoulliRouter,
+    EngineConfig,
+    RoutedEngine,
+    ScriptedRouter,
+    reference_generate,
+)
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 
 def test_launch_rules() -> None:
@@ -44,9 +50,18 @@ def test_two_devices_refill_the_places_of_requests_in_a_catchup(pair: Any) -> No
     )
     # The serial schedule's step counts (overlap adds a step of lag).
     eng = RoutedEngine(
-        small, large, router, 512, scheduler=sched, large_step_cost=50.0,
-        topology="two-devices", clock="steps", overlap=False,
-    )  # fmt: skip
+        small,
+        large,
+        router,
+        config=EngineConfig(
+            num_slots=512,
+            scheduler=sched,
+            large_step_cost=50.0,
+            topology="two-devices",
+            clock="steps",
+            overlap=False,
+        ),
+    )
     a = eng.submit([1, 2, 3], 4, route_key=0)
     b = eng.submit([4, 5, 6], 2, route_key=1)  # finishes while a's catch-up is in flight
     c = eng.submit([7, 8, 9], 30, route_key=2)
@@ -157,7 +172,7 @@ def test_cost_policy_prices_holes_and_catchups() -> None:
     """hole_loss_s is the holes' share of the small step's fixed part; catchup_fixed_s the
     catch-up's fixed part; on the roofline a compute-bound catch-up has none."""
     from tokencache_routing import GpuClock
-    from tokencache_routing.core.scheduler import catchup_fixed_s, hole_loss_s
+    from tokencache_routing.core.launch_policy import catchup_fixed_s, hole_loss_s
 
     kv_bound = _price(0.4e-3, 1e-6, 5e-3)  # 8k contexts: a step is 256 ms of KV, 0.4 of weights
     loss = hole_loss_s(kv_bound, 31, 31, 31 * 8192, 1, 8192)
@@ -181,7 +196,7 @@ def test_cost_policy_prices_holes_and_catchups() -> None:
 def test_cost_policy_decisions() -> None:
     """A cheap hole waits, an expensive one launches, hard triggers launch whatever the cost,
     and min_large_batch / min_occupancy do not apply."""
-    from tokencache_routing.core.scheduler import catchup_fixed_s, hole_loss_s
+    from tokencache_routing.core.launch_policy import catchup_fixed_s, hole_loss_s
 
     cfg = SchedulerConfig(max_running=32, min_large_batch=1, min_occupancy=0.99, launch="cost")
     cheap = _price(0.4e-3, 1e-6, 5e-3)  # KV-bound small steps (long contexts)
@@ -217,7 +232,7 @@ def test_cost_policy_refused_value() -> None:
 
 
 def test_measured_prices_learn_from_forwards() -> None:
-    from tokencache_routing.core.scheduler import MeasuredPrices, catchup_fixed_s
+    from tokencache_routing.core.launch_policy import MeasuredPrices, catchup_fixed_s
 
     m = MeasuredPrices(decay=0.5)
     assert m(0, 4, 4, 100) == 0.0 and catchup_fixed_s(m, 2, 2, 0) == 0.0  # nothing seen yet
@@ -245,7 +260,7 @@ def test_cost_policy_accumulates_and_resets(pair: Any, mode: str) -> None:
         check(pair, router, router.decide, prompts, 16, **kw)
         return
     small, large = pair
-    eng = RoutedEngine(small, large, router, **kw)
+    eng = RoutedEngine(small, large, router, config=EngineConfig(**kw))
     handles = [eng.submit(p, 16, route_key=i) for i, p in enumerate(prompts)]
     losses, parked_at, launched_at = [], None, None
     while eng.iterate():

@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 from routing_helpers import make_prompts
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, ScriptedRouter, reference_generate
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing import (
+    BernoulliRouter,
+    EngineConfig,
+    RoutedEngine,
+    ScriptedRouter,
+    reference_generate,
+)
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 DISPATCH = "naive-sglang"
 
@@ -47,7 +53,7 @@ def check_idle(eng: RoutedEngine) -> None:
 
 def run(pair: Any, router: Any, decide: Any, prompts: list[list[int]], max_new: int, **kw: Any):
     small, large = pair
-    eng = RoutedEngine(small, large, router, dispatch=DISPATCH, **kw)
+    eng = RoutedEngine(small, large, router, config=EngineConfig(dispatch=DISPATCH, **kw))
     res = eng.generate(prompts, max_new)
     ref_tokens, ref_models = reference_generate(small, large, prompts, max_new, decide)
     assert res.tokens == ref_tokens
@@ -101,7 +107,12 @@ def test_same_tokens_as_other_dispatches(pair: Any, seed: int) -> None:
     sched = SchedulerConfig(max_running=3, min_large_batch=2, max_wait_steps=2)
     out = {}
     for dispatch in ("tokencache", "naive", DISPATCH):
-        eng = RoutedEngine(small, large, router, num_slots=512, dispatch=dispatch, scheduler=sched)
+        eng = RoutedEngine(
+            small,
+            large,
+            router,
+            config=EngineConfig(num_slots=512, dispatch=dispatch, scheduler=sched),
+        )
         out[dispatch] = eng.generate(prompts, 9)
         assert eng.idle_invariant()
     for dispatch in ("tokencache", "naive"):
@@ -117,4 +128,6 @@ def test_escalate_everything(pair: Any) -> None:
 
 def test_threaded_mode_rejected(pair: Any) -> None:
     with pytest.raises(ValueError):
-        RoutedEngine(*pair, ScriptedRouter(), dispatch=DISPATCH, mode="threaded")
+        RoutedEngine(
+            *pair, ScriptedRouter(), config=EngineConfig(dispatch=DISPATCH, mode="threaded")
+        )

@@ -9,6 +9,7 @@ from routing_helpers import bernoulli_decide, make_prompts
 
 from tokencache_routing import (
     BernoulliRouter,
+    EngineConfig,
     RoutedEngine,
     SchedulerConfig,
     ScriptedRouter,
@@ -19,7 +20,11 @@ from tokencache_routing import (
 @pytest.mark.parametrize("mode", ["events", "threaded"])
 def test_handles_iterate_listen_and_match_metrics(pair: Any, mode: str) -> None:
     router = BernoulliRouter(0.3, seed=21)
-    eng = RoutedEngine(*pair, router, 512, scheduler=SchedulerConfig(max_running=2), mode=mode)
+    eng = RoutedEngine(
+        *pair,
+        router,
+        config=EngineConfig(num_slots=512, scheduler=SchedulerConfig(max_running=2), mode=mode),
+    )
     prompts = make_prompts(5, seed=80, shared=4)
     seen: dict[int, int] = {}
 
@@ -53,7 +58,7 @@ def test_handles_iterate_listen_and_match_metrics(pair: Any, mode: str) -> None:
 
 def test_max_context_counts_positions_and_slots(pair: Any) -> None:
     small, _ = pair
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3), 100_000)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3), config=EngineConfig(num_slots=100_000))
     assert eng.max_context == small.config.max_position_embeddings
     with pytest.raises(ValueError, match="can never fit"):
         eng.submit([1] * eng.max_context, 1)
@@ -63,7 +68,9 @@ def test_max_context_counts_positions_and_slots(pair: Any) -> None:
 
 
 def test_wait_times_out_and_abort_stops(pair: Any) -> None:
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3), 512, mode="threaded")
+    eng = RoutedEngine(
+        *pair, BernoulliRouter(0.3), config=EngineConfig(num_slots=512, mode="threaded")
+    )
     eng.start()
     h = eng.submit(make_prompts(1, seed=81)[0], 400)
     assert not h.wait(0.0) or h.done()
@@ -75,20 +82,22 @@ def test_wait_times_out_and_abort_stops(pair: Any) -> None:
 
 def test_model_devices_can_be_named(pair: Any) -> None:
     router = BernoulliRouter(0.3, seed=22)
-    eng = RoutedEngine(*pair, router, 256, small_device="cpu", large_device="cpu")
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, small_device="cpu", large_device="cpu")
+    )
     assert eng.topology == "one-device"  # same device: catch-ups run between small steps
     assert eng.small.pool.device == eng.large.pool.device == eng.small.model.device
     prompts = make_prompts(3, seed=82)
     ref, _ = reference_generate(*pair, prompts, 5, bernoulli_decide(router))
     assert eng.generate(prompts, 5).tokens == ref
-    with pytest.raises(RuntimeError):
-        RoutedEngine(*pair, router, 256, large_device="no-such-device")
+    with pytest.raises(ValueError, match="large_device"):
+        EngineConfig(num_slots=256, large_device="no-such-device")
 
 
 def test_router_is_swapped_through_the_engine(pair: Any) -> None:
     """RoutedEngine.router is the scheduler's: assigning it changes what the next steps ask."""
     first = BernoulliRouter(0.3, seed=23)
-    eng = RoutedEngine(*pair, first, 256)
+    eng = RoutedEngine(*pair, first, config=EngineConfig(num_slots=256))
     assert eng.router is first is eng.sched.router
     everything = ScriptedRouter(every=True)
     eng.router = everything

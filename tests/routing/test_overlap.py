@@ -1,4 +1,4 @@
-"""Overlapped scheduling (RoutedEngine(overlap=True), the default for tokencache): the next
+"""Overlapped scheduling (EngineConfig(overlap=True), the default for tokencache): the next
 small step is prepared and launched before the previous one is finished, its continuing rows
 fed with their drawn token on the device. Outputs are identical with overlap on and off
 (greedy and seeded sampling, escalations and catch-ups, both drivers); rows of requests the
@@ -17,6 +17,7 @@ from routing_helpers import bernoulli_decide, check_idle, make_prompts
 from tokencache_models import HostBatch
 from tokencache_routing import (
     BernoulliRouter,
+    EngineConfig,
     EntropyRouter,
     RoutedEngine,
     SamplingParams,
@@ -24,7 +25,7 @@ from tokencache_routing import (
     ScriptedRouter,
     reference_generate,
 )
-from tokencache_routing.core import scheduler as scheduler_module
+from tokencache_routing.core import batch_planning
 from tokencache_routing.sim.clock import GpuClock
 
 SAMPLING = [None, SamplingParams(0.9, seed=3), SamplingParams(1.3, 0.8, seed=4), None]
@@ -34,7 +35,7 @@ def run(pair: Any, overlap: bool, router: Any, **kw: Any) -> tuple[Any, list[Any
     """Eight requests on two shared prompts (two sampled), 12 new tokens each."""
     prompts = make_prompts(8, seed=71, shared=9, lo=2, hi=6)
     prompts[4:] = [[5, *p[1:]] for p in prompts[4:]]  # a second system prompt
-    eng = RoutedEngine(*pair, router, overlap=overlap, **kw)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(overlap=overlap, **kw))
     handles = [
         eng.submit(p, 12, sampling=SAMPLING[i % 4], route_key=i) for i, p in enumerate(prompts)
     ]
@@ -83,16 +84,16 @@ def test_continuing_rows_take_their_token_from_the_device(
     deferred (DeferredTokens: the pending step's draw, indexed by its row there), never read
     on the host at preparation, and the placeholder is never what the model is fed."""
     seen: list[tuple[HostBatch, Any]] = []  # each forward's inputs as prepared
-    real = scheduler_module.prepare_forward
+    real = batch_planning.prepare_forward
 
     def spy(*a: Any, **k: Any) -> Any:
         prep = real(*a, **k)
         seen.append((prep.host, prep.host.token_ids.copy()))
         return prep
 
-    monkeypatch.setattr(scheduler_module, "prepare_forward", spy)
+    monkeypatch.setattr(batch_planning, "prepare_forward", spy)
     prompts = make_prompts(4, seed=72, shared=5)
-    eng = RoutedEngine(*pair, EntropyRouter(math.inf), 512)
+    eng = RoutedEngine(*pair, EntropyRouter(math.inf), config=EngineConfig(num_slots=512))
     res = eng.generate(prompts, 10)
     ref, _ = reference_generate(*pair, prompts, 10, lambda rid, pos: False)
     assert res.tokens == ref
@@ -114,7 +115,9 @@ def test_a_stop_token_drops_the_row_launched_after_it(pair: Any) -> None:
     stop = ref[1][4]  # request 1's fifth token
     ends = [t.index(stop) + 1 if stop in t else 12 for t in ref]
     for overlap in (True, False):
-        eng = RoutedEngine(*pair, EntropyRouter(math.inf), 512, overlap=overlap)
+        eng = RoutedEngine(
+            *pair, EntropyRouter(math.inf), config=EngineConfig(num_slots=512, overlap=overlap)
+        )
         hs = [eng.submit(p, 12, stop_token_ids=[stop]) for p in prompts]
         assert all(h.wait(60) for h in hs)
         for h, r, n in zip(hs, ref, ends, strict=True):
@@ -130,7 +133,7 @@ def test_aborts_and_escalations_of_every_row_mid_pipeline(pair: Any, mode: str) 
     flight: the others stay exact, everything is released."""
     router = ScriptedRouter({0: [2], 1: [2], 2: [2, 3], 3: [5]})
     prompts = make_prompts(4, seed=74, shared=6)
-    eng = RoutedEngine(*pair, router, 512, mode=mode)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=512, mode=mode))
     got: dict[int, list[int]] = {i: [] for i in range(4)}
     aborted = False
     for rid, tok, _ in eng.stream(prompts, 9):
@@ -150,10 +153,12 @@ def _pure_decode(pair: Any, overlap: bool) -> Any:
     eng = RoutedEngine(
         *pair,
         EntropyRouter(math.inf),
-        2048,
-        clock=GpuClock(profile="h200-roofline"),
-        scheduler=SchedulerConfig(max_running=8),
-        overlap=overlap,
+        config=EngineConfig(
+            num_slots=2048,
+            clock=GpuClock(profile="h200-roofline"),
+            scheduler=SchedulerConfig(max_running=8),
+            overlap=overlap,
+        ),
     )
     eng.generate(make_prompts(8, seed=75, shared=40), 24)
     return eng.stats
@@ -186,10 +191,12 @@ def test_waiting_for_a_catch_up_is_not_waiting_for_the_host(pair: Any, topology:
     eng = RoutedEngine(
         *pair,
         ScriptedRouter(every=True),
-        2048,
-        clock=GpuClock(profile="h200-roofline"),
-        scheduler=SchedulerConfig(max_running=4, min_large_batch=4),
-        topology=topology,
+        config=EngineConfig(
+            num_slots=2048,
+            clock=GpuClock(profile="h200-roofline"),
+            scheduler=SchedulerConfig(max_running=4, min_large_batch=4),
+            topology=topology,
+        ),
     )
     eng.generate(make_prompts(4, seed=77, shared=20), 10)
     st = eng.stats
@@ -200,10 +207,16 @@ def test_waiting_for_a_catch_up_is_not_waiting_for_the_host(pair: Any, topology:
 
 def test_overlap_needs_the_tokencache_dispatch(pair: Any) -> None:
     with pytest.raises(ValueError, match="overlap=True needs dispatch='tokencache'"):
-        RoutedEngine(*pair, EntropyRouter(1.0), 256, dispatch="naive", overlap=True)
+        RoutedEngine(
+            *pair,
+            EntropyRouter(1.0),
+            config=EngineConfig(num_slots=256, dispatch="naive", overlap=True),
+        )
     with pytest.raises(TypeError, match="overlap must be a bool"):
-        RoutedEngine(*pair, EntropyRouter(1.0), 256, overlap="yes")  # type: ignore[arg-type]
-    assert not RoutedEngine(*pair, EntropyRouter(1.0), 256, dispatch="naive").overlap
+        EngineConfig(num_slots=256, overlap="yes")  # type: ignore[arg-type]
+    assert not RoutedEngine(
+        *pair, EntropyRouter(1.0), config=EngineConfig(num_slots=256, dispatch="naive")
+    ).overlap
 
 
 @pytest.mark.parametrize("mode", ["events", "threaded"])
@@ -213,7 +226,9 @@ def test_nothing_is_held_once_the_last_request_stopped(pair: Any, mode: str) -> 
     later iteration is needed to give it back)."""
     prompt = make_prompts(1, seed=76, shared=3)[0]
     ref, _ = reference_generate(*pair, [prompt], 8, lambda rid, pos: False)
-    eng = RoutedEngine(*pair, EntropyRouter(math.inf), 256, mode=mode)
+    eng = RoutedEngine(
+        *pair, EntropyRouter(math.inf), config=EngineConfig(num_slots=256, mode=mode)
+    )
     h = eng.submit(prompt, 8, stop_token_ids=[ref[0][3]])
     assert h.wait(60) and h.finished_reason == "stop"
     deadline = 100

@@ -13,7 +13,7 @@ from routing_helpers import make_prompts, tiny_config
 
 from tokencache_models import random_model
 from tokencache_models.early_exit import ExitHead, early_exit_model, fit_exit_head, greedy_trace
-from tokencache_routing import EntropyRouter, RoutedEngine, Top1ProbRouter
+from tokencache_routing import EngineConfig, EntropyRouter, RoutedEngine, Top1ProbRouter
 from tokencache_routing.tools.labels import small_rows, split_prompts
 from tokencache_routing.tools.quality import agreement, at_share, random_curve, sweep
 from tokencache_routing.tools.train_router import load_features, train
@@ -122,7 +122,9 @@ def test_offline_curve_equals_the_real_engine(early_exit_pair: Any) -> None:
             i = int(np.searchsorted(distinct, np.quantile(scores, 1 - share)))
             thr = float((distinct[i - 1] + distinct[i]) / 2)
             _, tok, exact = agreement(scores >= thr, differs, offsets)
-            res = RoutedEngine(small, large, make(thr), num_slots=2048).generate(prompts, 10)
+            res = RoutedEngine(
+                small, large, make(thr), config=EngineConfig(num_slots=2048)
+            ).generate(prompts, 10)
             agreed = sum(
                 next(
                     (k for k, (a, b) in enumerate(zip(t, r, strict=False)) if a != b),
@@ -170,9 +172,11 @@ def test_serve_loads_an_exit_head_small_model_and_a_neural_router(
         small,
         large,
         router.__class__.load(tmp_path / "router.pt", embedding=large.model.embed_tokens.weight),
-        num_slots=2048,
+        config=EngineConfig(num_slots=2048),
     ).generate(prompts[:6], 8)
-    got = RoutedEngine(models.small, large, loaded, num_slots=2048).generate(prompts[:6], 8)
+    got = RoutedEngine(models.small, large, loaded, config=EngineConfig(num_slots=2048)).generate(
+        prompts[:6], 8
+    )
     assert got.tokens == want.tokens and got.models == want.models
     with pytest.raises(FileNotFoundError):
         loading.load_models("stub-large", small=f"exit:{tmp_path / 'missing.pt'}")

@@ -14,6 +14,7 @@ from routing_helpers import ROOT, make_prompts
 
 from tokencache_routing import (
     BernoulliRouter,
+    EngineConfig,
     EntropyRouter,
     NeuralRouter,
     RoutedEngine,
@@ -98,7 +99,8 @@ def test_train_router_cli_and_routed_generation(pair: Any, tmp_path: Path) -> No
     cmd = [
         sys.executable,
         "-m",
-        "tokencache_routing.train_router",
+        "tokencache_routing",
+        "train-router",
         "--features",
         str(fpath),
         str(npz),
@@ -117,7 +119,9 @@ def test_train_router_cli_and_routed_generation(pair: Any, tmp_path: Path) -> No
     assert "threshold" in proc.stdout
     router = NeuralRouter.load(out, embedding=small.model.embed_tokens.weight)
     prompts = make_prompts(3, seed=21)
-    res = RoutedEngine(small, large, router, num_slots=256).generate(prompts, 8)
+    res = RoutedEngine(small, large, router, config=EngineConfig(num_slots=256)).generate(
+        prompts, 8
+    )
     ref, _ = reference_generate(small, large, prompts, 8, decide_from_models(res.models))
     assert res.tokens == ref
 

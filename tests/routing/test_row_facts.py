@@ -11,7 +11,13 @@ import pytest
 import torch
 from routing_helpers import check_idle, make_prompts
 
-from tokencache_routing import RoutedEngine, SamplingParams, SchedulerConfig, reference_generate
+from tokencache_routing import (
+    EngineConfig,
+    RoutedEngine,
+    SamplingParams,
+    SchedulerConfig,
+    reference_generate,
+)
 from tokencache_routing.core.routers import Router, RouterFeatures
 
 
@@ -39,7 +45,11 @@ def test_router_sees_each_rows_own_key_and_generated_position(
     new = [5, 9, 3, 7, 6, 4, 8]
     router = Recorder()
     eng = RoutedEngine(
-        *pair, router, 512, mode=mode, overlap=overlap, scheduler=SchedulerConfig(max_running=3)
+        *pair,
+        router,
+        config=EngineConfig(
+            num_slots=512, mode=mode, overlap=overlap, scheduler=SchedulerConfig(max_running=3)
+        ),
     )
     keys = [100 + 7 * i for i in range(len(prompts))]
     handles = [eng.submit(p, n, route_key=k) for p, n, k in zip(prompts, new, keys, strict=True)]
@@ -60,10 +70,14 @@ def test_a_sampled_request_keeps_sampling_beside_greedy_ones(pair: Any) -> None:
     them: a sampled request draws what it draws alone, greedy ones equal the reference."""
     prompts = make_prompts(4, seed=92, shared=3, lo=3, hi=6)
     hot = SamplingParams(1.5, seed=11)
-    eng = RoutedEngine(*pair, Recorder(), 512, scheduler=SchedulerConfig(max_running=2))
+    eng = RoutedEngine(
+        *pair,
+        Recorder(),
+        config=EngineConfig(num_slots=512, scheduler=SchedulerConfig(max_running=2)),
+    )
     handles = [eng.submit(p, 8, sampling=hot if i == 2 else None) for i, p in enumerate(prompts)]
     assert all(h.wait(60) for h in handles)
-    alone = RoutedEngine(*pair, Recorder(), 512)
+    alone = RoutedEngine(*pair, Recorder(), config=EngineConfig(num_slots=512))
     solo = alone.submit(prompts[2], 8, sampling=hot)
     assert solo.wait(60)
     assert handles[2].tokens == solo.tokens

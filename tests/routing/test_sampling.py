@@ -14,7 +14,7 @@ import torch
 from routing_helpers import VOCAB, make_prompts
 
 from tokencache_models import ForwardOutput
-from tokencache_routing import RoutedEngine, SamplingParams, ScriptedRouter
+from tokencache_routing import EngineConfig, RoutedEngine, SamplingParams, ScriptedRouter
 from tokencache_routing.core.routers import Router, RouterFeatures
 from tokencache_routing.core.sampling import Decisions, Readback, route, sample
 from tokencache_routing.core.state import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, Request
@@ -171,7 +171,9 @@ def test_sampling_params_edges_accepted() -> None:
 def _run(pair: Any, dispatch: str, mode: str, which: str, bad: bool) -> list[Any]:
     # Request 1 is sampled; escalated at position 0 its first draw is in a catch-up.
     router = ScriptedRouter({1: [0, 3] if which == "large" else [3], 2: [1, 2]})
-    eng = RoutedEngine(*pair, router, 512, dispatch=dispatch, mode=mode)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=512, dispatch=dispatch, mode=mode)
+    )
     prompts = make_prompts(4, seed=90, lo=3, hi=6)
     params = [SamplingParams(1.2, 0.9, seed=11), SamplingParams(1.0, seed=12), None]
     params.append(SamplingParams(0.8, seed=13))

@@ -1,5 +1,6 @@
-"""Scheduler promises that a mutation run (docs/MUTATION.md, 2026-12-02)
-found unpinned: each test here fails with the mutant it names planted in core/scheduler.py.
+"""Scheduler promises that mutation testing (docs/MUTATION.md) found unpinned: each test here
+fails with the mutant it names planted in the scheduler (its modules: core/scheduler.py's
+docstring lists them).
 Most drive a Scheduler directly, on stand-in KV handles (no model, no forward)."""
 
 from __future__ import annotations
@@ -12,11 +13,19 @@ import pytest
 import torch
 from routing_helpers import bernoulli_decide, check_exact, check_idle, make_prompts
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, SamplingParams, ScriptedRouter
+from tokencache_routing import (
+    BernoulliRouter,
+    EngineConfig,
+    RoutedEngine,
+    SamplingParams,
+    ScriptedRouter,
+)
+from tokencache_routing.core.admission import WaitForMemory
 from tokencache_routing.core.batch import PreparedForward
 from tokencache_routing.core.kv import CursorKV
 from tokencache_routing.core.routers import Router, RouterFeatures
-from tokencache_routing.core.scheduler import Scheduler, SchedulerConfig, WaitForMemory
+from tokencache_routing.core.scheduler import Scheduler
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 from tokencache_routing.core.state import GREEDY, LARGE, Request
 
 
@@ -272,7 +281,7 @@ def test_a_catchup_whose_commit_raises_ends_its_batch_with_that_error(
     released, and the engine runs exactly after (mutant 20: `self.abandon(e)`, a TypeError
     out of finish_large instead)."""
     router = BernoulliRouter(0.4, seed=6)
-    eng = RoutedEngine(*pair, router, 256, mode=mode)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=256, mode=mode))
     boom = OSError("catch-up commit failed")
     real = PreparedForward.commit
     raised: list[bool] = []
@@ -366,7 +375,11 @@ def test_forwards_run_without_launch_draw_and_route_as_launched_ones(
 
     def generate() -> list[Any]:
         # No overlap: a step continuing one in flight reads that one's draw on the device.
-        eng = RoutedEngine(*pair, TokenReadingRouter(), 256, mode=mode, overlap=False)
+        eng = RoutedEngine(
+            *pair,
+            TokenReadingRouter(),
+            config=EngineConfig(num_slots=256, mode=mode, overlap=False),
+        )
         handles = [
             eng.submit(p, 10, route_key=i, sampling=sampling[i]) for i, p in enumerate(prompts)
         ]
@@ -408,7 +421,9 @@ def test_a_row_that_cannot_be_sampled_ends_alone(pair: Any, mode: str) -> None:
     greedy one goes on to its length (mutants 101: `drawn.resolve(None)`, 151:
     `self.fail(e)`: a TypeError, out of the step or ending the whole batch)."""
     small, large = pair
-    eng = RoutedEngine(NaNModel(small, 2), large, ScriptedRouter({}), 256, mode=mode)
+    eng = RoutedEngine(
+        NaNModel(small, 2), large, ScriptedRouter({}), config=EngineConfig(num_slots=256, mode=mode)
+    )
     prompts = make_prompts(2, seed=93, lo=5, hi=5)
     sampled = SamplingParams(temperature=1.0, seed=5)
     greedy = eng.submit(prompts[0], 8, route_key=0)
@@ -425,7 +440,7 @@ def test_a_row_that_cannot_be_sampled_ends_alone(pair: Any, mode: str) -> None:
 
 def test_the_step_counter_counts_small_steps(pair: Any) -> None:
     """finish_small: stats.steps counts the small steps, one each (mutant 36: counted down)."""
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=6), 256)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=6), config=EngineConfig(num_slots=256))
     eng.generate(make_prompts(4, seed=94), 7)
     assert eng.stats.steps == len(eng.stats.small_batch_sizes) >= 7
 
@@ -436,7 +451,7 @@ def test_the_step_counter_counts_small_steps(pair: Any) -> None:
 def test_the_token_counters_count_each_delivered_token_once(pair: Any) -> None:
     """commit_token: stats.tokens counts every delivered token once, stats.large_tokens those
     the large model gave (mutant 9: `tokens += 2`)."""
-    eng = RoutedEngine(*pair, BernoulliRouter(0.4, seed=6), 256)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.4, seed=6), config=EngineConfig(num_slots=256))
     res = eng.generate(make_prompts(5, seed=92, shared=3), 9)
     models = [m for ms in res.models for m in ms]
     assert eng.stats.tokens == sum(len(t) for t in res.tokens) == len(models) == 45
@@ -453,7 +468,7 @@ def test_an_interrupt_while_a_small_step_ends_its_requests_ends_the_rest(
     token, and the interrupt propagates: out of the event loop's wait, or ending the threaded
     driver's worker (mutant 156: `self.fail(e)`, a TypeError instead, the third left
     unfinished)."""
-    eng = RoutedEngine(*pair, ScriptedRouter({}), 256, mode=mode)
+    eng = RoutedEngine(*pair, ScriptedRouter({}), config=EngineConfig(num_slots=256, mode=mode))
     stop = KeyboardInterrupt()
     real, raised = eng.sched._release, []
 
@@ -518,7 +533,9 @@ def test_an_interrupt_while_a_small_step_delivers_leaves_no_request_behind(
     forgot the rows it handled before the interrupt left them in no list, never ending;
     with overlap the first goes on in the step launched after, without it in the running
     list)."""
-    eng = RoutedEngine(*pair, ScriptedRouter({}), 256, mode=mode, overlap=overlap)
+    eng = RoutedEngine(
+        *pair, ScriptedRouter({}), config=EngineConfig(num_slots=256, mode=mode, overlap=overlap)
+    )
     stop = KeyboardInterrupt()
     prompts = make_prompts(3, seed=83, lo=5, hi=5)
     with eng.sched.lock:  # one batch: the driver takes in all three together
@@ -547,7 +564,9 @@ def test_an_interrupt_while_a_small_step_parks_leaves_no_request_behind(
     (mutants of the sampled finish_small run: 193, a pass index off by one, left the rows
     after the interrupt in no list, never ending; 283 failed the row parked before it too)."""
     router = ScriptedRouter({0: [2], 1: [2], 2: [2]})
-    eng = RoutedEngine(*pair, router, 256, mode=mode, overlap=overlap)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, mode=mode, overlap=overlap)
+    )
     stop = KeyboardInterrupt()
     prompts = make_prompts(4, seed=89, lo=5, hi=5)
     park = CursorKV.park
@@ -587,7 +606,9 @@ def test_a_request_with_its_own_lock_takes_its_tokens_like_the_others(
     from tokencache_routing import reference_generate
 
     router = BernoulliRouter(0.2, seed=97)
-    eng = RoutedEngine(*pair, router, 256, mode=mode, overlap=overlap)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=256, mode=mode, overlap=overlap)
+    )
     prompts = make_prompts(3, seed=97, lo=5, hi=5)
     with eng.sched.lock:  # replaced before any step delivers to it
         handles = [eng.submit(p, 8, route_key=i) for i, p in enumerate(prompts)]

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from routing_helpers import bernoulli_decide, make_prompts
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, reference_generate
-from tokencache_routing.core.scheduler import Scheduler, SchedulerConfig
+from tokencache_routing import BernoulliRouter, EngineConfig, RoutedEngine, reference_generate
+from tokencache_routing.core.scheduler import Scheduler
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 
 def distinct_prompts(n: int, seed: int, lo: int = 3, hi: int = 10) -> list[list[int]]:
@@ -92,7 +93,9 @@ def test_max_running_and_max_admitted_never_exceeded(pair: Any, mode: str, max_p
     router = BernoulliRouter(0.3, seed=31)
     prompts = distinct_prompts(20, seed=31)
     sched = SchedulerConfig(max_running=4, max_parked=max_parked, min_large_batch=2)
-    eng = RoutedEngine(*pair, router, 2048, scheduler=sched, mode=mode)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=2048, scheduler=sched, mode=mode)
+    )
     w = Watch(eng.sched)
     handles = [eng.submit(p, 10, route_key=i) for i, p in enumerate(prompts)]
     assert all(h.wait(120) for h in handles)
@@ -113,7 +116,9 @@ def test_wait_between_two_tokens_is_bounded(pair: Any, topology: str) -> None:
     router = BernoulliRouter(0.3, seed=32)
     prompts = distinct_prompts(24, seed=32)
     sched = SchedulerConfig(max_running=4, max_parked=4)
-    eng = RoutedEngine(*pair, router, 4096, scheduler=sched, topology=topology)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=4096, scheduler=sched, topology=topology)
+    )
     handles = [eng.submit(p, 24, route_key=i) for i, p in enumerate(prompts)]
     assert all(h.wait(120) for h in handles)
     gaps = [b - a for h in handles for a, b in itertools.pairwise(h.token_times)]
@@ -127,7 +132,11 @@ def test_wait_between_two_tokens_is_bounded(pair: Any, topology: str) -> None:
 def test_the_preemption_victim_is_the_newest(pair: Any, mode: str) -> None:
     router = BernoulliRouter(0.3, seed=33)
     prompts = distinct_prompts(8, seed=33, lo=6, hi=12)
-    eng = RoutedEngine(*pair, router, 72, scheduler=SchedulerConfig(max_running=8), mode=mode)
+    eng = RoutedEngine(
+        *pair,
+        router,
+        config=EngineConfig(num_slots=72, scheduler=SchedulerConfig(max_running=8), mode=mode),
+    )
     w = Watch(eng.sched)
     handles = [eng.submit(p, 24, route_key=i) for i, p in enumerate(prompts)]
     assert all(h.wait(120) for h in handles)
@@ -150,7 +159,11 @@ def test_catchups_never_start_before_their_requests_were_parked(
     prompts = distinct_prompts(12, seed=34)
     sched = SchedulerConfig(max_running=4, max_parked=4)
     eng = RoutedEngine(
-        *pair, router, 4096, scheduler=sched, topology=topology, large_step_cost=cost
+        *pair,
+        router,
+        config=EngineConfig(
+            num_slots=4096, scheduler=sched, topology=topology, large_step_cost=cost
+        ),
     )
     w = Watch(eng.sched, cost)
     # Submitted over time: the two clocks drift apart (two devices: the large one runs ahead).

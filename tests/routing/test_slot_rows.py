@@ -10,7 +10,7 @@ from routing_helpers import bernoulli_decide, check, make_prompts
 
 from tokencache_routing import BernoulliRouter
 from tokencache_routing.core.kv import CursorKV
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from routing_helpers import bernoulli_decide, check, make_prompts, no_worker_threads
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, Router, ScriptedRouter
-from tokencache_routing.core.scheduler import LaunchPolicy, SchedulerConfig
+from tokencache_routing import BernoulliRouter, EngineConfig, RoutedEngine, Router, ScriptedRouter
+from tokencache_routing.core.launch_policy import LaunchPolicy
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 
 @pytest.mark.parametrize("launch", ["threshold", "cost"])
@@ -73,8 +74,12 @@ def test_threaded_equals_event_loop_and_stream(pair: Any) -> None:
     router = BernoulliRouter(0.2, seed=11)
     prompts = make_prompts(7, seed=11, shared=10)
     sched = SchedulerConfig(max_running=3, min_large_batch=2, max_wait_s=0.001)
-    events = RoutedEngine(small, large, router, num_slots=512, scheduler=sched).generate(prompts, 9)
-    eng = RoutedEngine(small, large, router, num_slots=512, scheduler=sched, mode="threaded")
+    events = RoutedEngine(
+        small, large, router, config=EngineConfig(num_slots=512, scheduler=sched)
+    ).generate(prompts, 9)
+    eng = RoutedEngine(
+        small, large, router, config=EngineConfig(num_slots=512, scheduler=sched, mode="threaded")
+    )
     tokens: list[list[int]] = [[] for _ in prompts]
     for rid, tok, _ in eng.stream(prompts, 9):
         tokens[rid].append(tok)
@@ -88,14 +93,16 @@ class _Boom(Router):
 
 
 def test_worker_exception_reaches_caller_and_threads_stop(pair: Any) -> None:
-    eng = RoutedEngine(*pair, _Boom(), num_slots=256, mode="threaded")
+    eng = RoutedEngine(*pair, _Boom(), config=EngineConfig(num_slots=256, mode="threaded"))
     with pytest.raises(RuntimeError, match="router failed"):
         eng.generate(make_prompts(3, seed=1), 5)
     assert no_worker_threads()
 
 
 def test_abandoned_stream_stops_threads(pair: Any) -> None:
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3), num_slots=256, mode="threaded")
+    eng = RoutedEngine(
+        *pair, BernoulliRouter(0.3), config=EngineConfig(num_slots=256, mode="threaded")
+    )
     it = eng.stream(make_prompts(4, seed=2), 20)
     next(it)
     it.close()
@@ -104,4 +111,6 @@ def test_abandoned_stream_stops_threads(pair: Any) -> None:
 
 def test_threaded_needs_cursors(pair: Any) -> None:
     with pytest.raises(ValueError):
-        RoutedEngine(*pair, ScriptedRouter(), dispatch="naive", mode="threaded")
+        RoutedEngine(
+            *pair, ScriptedRouter(), config=EngineConfig(dispatch="naive", mode="threaded")
+        )

@@ -22,7 +22,13 @@ import pytest
 import torch
 from routing_helpers import bernoulli_decide, check_exact, make_prompts, no_worker_threads
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, SchedulerConfig, reference_generate
+from tokencache_routing import (
+    BernoulliRouter,
+    EngineConfig,
+    RoutedEngine,
+    SchedulerConfig,
+    reference_generate,
+)
 from tokencache_routing.core import kv as kv_module
 from tokencache_routing.core import sampling as sampling_module
 from tokencache_routing.core.kv import ModelSide
@@ -91,7 +97,9 @@ def test_failing_timing_syncs_leave_nothing_behind(
     returned nothing is pinned or unfreed; the next generate on a sound device is exact."""
     router = BernoulliRouter(0.3, seed=every)
     sched = SchedulerConfig(max_running=4, min_large_batch=2, max_wait_s=0.002)
-    eng = RoutedEngine(*pair, router, 512, scheduler=sched, mode=mode)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=512, scheduler=sched, mode=mode)
+    )
     device = CapturingDevice(every)
     for side in eng.sides:
         side.sync = device.sync  # type: ignore[method-assign]
@@ -137,7 +145,7 @@ def test_a_failing_sync_around_a_release_still_releases(
 
     monkeypatch.setattr(kv_module.CursorKV, "release", release)
     router = BernoulliRouter(0.3, seed=5)
-    eng = RoutedEngine(*pair, router, 512, mode=mode)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=512, mode=mode))
     for side in eng.sides:
         side.sync = sync  # type: ignore[method-assign]
     prompts = make_prompts(5, seed=95, shared=4)
@@ -197,7 +205,9 @@ def test_idle_when_read_backs_and_syncs_complete_late(
     monkeypatch.setattr(sampling_module.Readback, "get", late(0.002, sampling_module.Readback.get))
     router = BernoulliRouter(0.3, seed=6)
     sched = SchedulerConfig(max_running=4, min_large_batch=2, max_wait_s=0.002)
-    eng = RoutedEngine(*pair, router, 512, scheduler=sched, mode=mode)
+    eng = RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=512, scheduler=sched, mode=mode)
+    )
     for side in eng.sides:
         side.sync = late(0.001, lambda: None)  # type: ignore[method-assign]
     prompts = make_prompts(8, seed=97, shared=6)

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 from routing_helpers import VOCAB, bernoulli_decide, check_idle, make_prompts
 
-from tokencache_routing import BernoulliRouter, RoutedEngine, SamplingParams, reference_generate
+from tokencache_routing import (
+    BernoulliRouter,
+    EngineConfig,
+    RoutedEngine,
+    SamplingParams,
+    reference_generate,
+)
 from tokencache_routing.core.state import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
 
 TINY = 5e-324  # the least positive float
@@ -49,7 +55,7 @@ def test_the_engine_samples_at_each_limit(pair: Any, mode: str) -> None:
         SamplingParams(1.0, math.nextafter(1.0, 0.0), seed=2),
         SamplingParams(0.0, TINY),
     ]
-    eng = RoutedEngine(*pair, router, 512, mode=mode)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=512, mode=mode))
     handles = [eng.submit(p, 6, sampling=sp) for p, sp in zip(prompts, params, strict=True)]
     assert all(h.wait(60) for h in handles)
     assert [h.finished_reason for h in handles] == ["length"] * 5
@@ -74,7 +80,7 @@ def test_the_engine_samples_at_each_limit(pair: Any, mode: str) -> None:
 def test_submit_refuses_one_past_each_limit(
     pair: Any, kw: dict[str, Any], error: type, match: str
 ) -> None:
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3), 256)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3), config=EngineConfig(num_slots=256))
     with pytest.raises(error, match=match):
         eng.submit(kw.get("prompt", [1, 2]), kw.get("max_new_tokens", 2), **_only_stops(kw))
     assert eng.metrics()["requests_submitted"] == 0
@@ -89,7 +95,7 @@ def _only_stops(kw: dict[str, Any]) -> dict[str, Any]:
 def test_submit_accepts_each_limit_exactly(pair: Any) -> None:
     """One token of prompt, the first and last ids of the vocabulary in the prompt and as stop
     ids, max_new_tokens 0 (ends at once, "length", nothing generated)."""
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=32), 256)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=32), config=EngineConfig(num_slots=256))
     none = eng.submit([VOCAB - 1, 0], 0)
     assert none.done() and none.finished_reason == "length" and none.tokens == []
     h = eng.submit([VOCAB - 1], 3, stop_token_ids=[VOCAB - 1, 0])
@@ -116,7 +122,7 @@ def test_prompt_plus_max_new_tokens_at_the_kv_bound(
     if large_slots is not None:
         kw["large_num_slots"] = large_slots
     router = BernoulliRouter(0.5, seed=33)
-    eng = RoutedEngine(*pair, router, slots, **kw)
+    eng = RoutedEngine(*pair, router, config=EngineConfig(num_slots=slots, **kw))
     limit = min(slots, large_slots or slots) + 1
     assert eng.max_context == limit
     prompts = [p[:1] * (limit - 5 - len(p)) + p for p in make_prompts(2, seed=92, lo=2, hi=4)]
@@ -137,7 +143,7 @@ def test_prompt_plus_max_new_tokens_at_the_kv_bound(
 def test_prompt_plus_max_new_tokens_at_the_context_window(pair: Any) -> None:
     """Pools larger than the models' positions (512): exactly 512 tokens run to the end,
     513 are refused."""
-    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=34), 4096)
+    eng = RoutedEngine(*pair, BernoulliRouter(0.3, seed=34), config=EngineConfig(num_slots=4096))
     limit = pair[0].config.max_position_embeddings
     assert eng.max_context == limit == 512
     prompt = (make_prompts(1, seed=93)[0] * limit)[: limit - 3]

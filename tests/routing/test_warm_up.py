@@ -10,15 +10,23 @@ from typing import Any
 import pytest
 from routing_helpers import bernoulli_decide, make_prompts
 
-from tokencache_routing import BernoulliRouter, EntropyRouter, RoutedEngine, reference_generate
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing import (
+    BernoulliRouter,
+    EngineConfig,
+    EntropyRouter,
+    RoutedEngine,
+    reference_generate,
+)
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 
 # Small limits keep the warm-up's keys (and the torch path's static shapes) small on the CPU.
 LIMITS = SchedulerConfig(max_running=4, max_parked=4, chunked_prefill_size=64)
 
 
 def _engine(pair: Any, router: Any, mode: str) -> RoutedEngine:
-    return RoutedEngine(*pair, router, num_slots=512, scheduler=LIMITS, mode=mode)
+    return RoutedEngine(
+        *pair, router, config=EngineConfig(num_slots=512, scheduler=LIMITS, mode=mode)
+    )
 
 
 @pytest.mark.timeout(300)
@@ -54,7 +62,7 @@ def test_a_forward_outside_the_warm_keys_is_counted(graphed_pair: Any) -> None:
 def test_reserve_moves_a_table_once_and_keeps_its_rows() -> None:
     import numpy as np
 
-    from tokencache_models.slot_table import SlotTable
+    from tokencache_models.kv.slot_table import SlotTable
 
     table = SlotTable(2, 4, 99, "cpu", max_width=64)
     row = table.acquire()

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokencache_routing import EntropyRouter, RequestHandle, RoutedEngine
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing import EngineConfig, EntropyRouter, RequestHandle, RoutedEngine
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 from tokencache_serve import ServerConfig, create_app
 from tokencache_serve.runner import BackgroundServer
 from tokencache_serve.tiny import TINY_ENTROPY_THRESHOLD
@@ -26,10 +26,12 @@ def make_engine(tiny: Any, max_running: int = 8, num_slots: int = 8192, **kw: An
         small,
         large,
         EntropyRouter(TINY_ENTROPY_THRESHOLD),
-        num_slots=num_slots,
-        scheduler=SchedulerConfig(max_running=max_running),
-        tokenizer=tok,
-        **kw,
+        config=EngineConfig(
+            num_slots=num_slots,
+            scheduler=SchedulerConfig(max_running=max_running),
+            tokenizer=tok,
+            **kw,
+        ),
     )
 
 

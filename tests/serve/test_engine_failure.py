@@ -13,8 +13,8 @@ import pytest
 import torch
 from serve_helpers import MODEL, RawStream, Served, post_json
 
-from tokencache_routing import EntropyRouter, RoutedEngine, Router, RouterFeatures
-from tokencache_routing.core.scheduler import SchedulerConfig
+from tokencache_routing import EngineConfig, EntropyRouter, RoutedEngine, Router, RouterFeatures
+from tokencache_routing.core.scheduler_config import SchedulerConfig
 from tokencache_serve import ServerConfig, create_app
 from tokencache_serve.runner import BackgroundServer
 from tokencache_serve.tiny import TINY_ENTROPY_THRESHOLD
@@ -42,10 +42,12 @@ def failing(tiny: Any) -> Iterator[tuple[Served, FailingRouter]]:
         small,
         large,
         router,
-        num_slots=4096,
-        scheduler=SchedulerConfig(max_running=4),
-        tokenizer=tok,
-        eos_token_id=None,
+        config=EngineConfig(
+            num_slots=4096,
+            scheduler=SchedulerConfig(max_running=4),
+            tokenizer=tok,
+            eos_token_id=None,
+        ),
     )
     app = create_app(eng, tok, ServerConfig(model_name=MODEL))
     with BackgroundServer(app) as srv:

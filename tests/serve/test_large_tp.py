@@ -155,7 +155,7 @@ def _save(model: object, path: Path) -> None:
 def test_checkpoint_large_is_read_by_slice(tmp_path: Path) -> None:
     """--large DIR --small DIR2 --large-tp 2: the large model is not loaded here; each rank
     reads its slices (a CheckpointShard of the directory)."""
-    from tokencache_models.tp_worker import CheckpointShard
+    from tokencache_models.parallel.runtime import CheckpointShard
     from tokencache_serve.loading import load_models
     from tokencache_serve.tiny import tiny_pair, tiny_tokenizer
 

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import torch
 
-from tokencache_routing import RoutedEngine
+from tokencache_routing import EngineConfig, RoutedEngine
 from tokencache_serve.cli import build_app, build_parser
 from tokencache_serve.runner import BackgroundServer
 
@@ -32,9 +32,7 @@ def test_default_server_matches_generate() -> None:
             eng.small.model,
             eng.large.model,
             eng.router,
-            num_slots=1024,
-            tokenizer=tok,
-            eos_token_id=tok.eos_token_id,
+            config=EngineConfig(num_slots=1024, tokenizer=tok, eos_token_id=tok.eos_token_id),
         )
         text = tok.apply_chat_template(
             [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True

@@ -21,7 +21,7 @@ import torch
 
 import tokencache
 from tokencache_models import CausalLM, Epilogue, KVPool
-from tokencache_models.tp_worker import make_slot_table
+from tokencache_models.parallel.runtime import make_slot_table
 
 if TYPE_CHECKING:
     from .routers import Router

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokencache_models.epilogue import entropy_of
+from tokencache_models.forward.epilogue import entropy_of
 
 from .rng import splitmix64, to_unit
 

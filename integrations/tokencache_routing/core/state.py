@@ -1,8 +1,7 @@
 """The types the scheduler, both drivers and the public API share: a request's state, its
-sampling parameters, the caller's handle on it, the engine's counters, and the interfaces
-between the engine and its drivers and handles (RequestDriver, Driver, DriverEngine: typed
-Protocols that RoutedEngine, drivers/events.py's EventLoopThread and drivers/threaded.py's
-ThreadedDriver implement; docs/ARCHITECTURE.md draws them)."""
+sampling parameters, the caller's handle on it, the engine's counters, and what a handle asks
+of its engine (RequestDriver, a typed Protocol that RoutedEngine implements; the driver
+interfaces, which name the Scheduler, are in driver_api.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from .kv import KVHandle, ModelSide
+    from .kv import KVHandle
     from .prefix import PrefixRead
-    from .scheduler import Scheduler
 
 SMALL, LARGE = 0, 1
 # Why a request ended: max_new_tokens reached, an eos/stop token, RequestHandle.abort(), or an
@@ -174,70 +172,6 @@ class RequestDriver(Protocol):
 
     def wait_for_progress(self, r: Request, seen: int) -> None:
         """Returns once r has more than `seen` tokens or finished, or after a short wait."""
-        ...
-
-
-class Driver(Protocol):
-    """What the engine asks of a driver: the threads that run its scheduler
-    (drivers/events.py's EventLoopThread after start(), drivers/threaded.py's ThreadedDriver
-    with mode="threaded"). A driver calls only DriverEngine on the engine."""
-
-    def start(self) -> None: ...
-
-    def alive(self) -> bool: ...
-
-    def wake(self) -> None:
-        """New work, an abort or shutdown: look again now."""
-        ...
-
-    def join(self, timeout: float) -> None: ...
-
-
-class DriverEngine(Protocol):
-    """The driver interface: the engine as a driver sees it (RoutedEngine implements it). A
-    driver takes `sched.lock` to schedule and commit, runs forwards outside it, calls notify
-    outside it, and exits when idle and driver_should_exit() (or closed) says so."""
-
-    @property
-    def sched(self) -> Scheduler: ...
-
-    @property
-    def sides(self) -> tuple[ModelSide, ModelSide]: ...
-
-    @property
-    def overlap(self) -> bool:
-        """Overlapped scheduling: the next small step is launched before the last one is
-        finished on the host."""
-        ...
-
-    @property
-    def closed(self) -> bool: ...
-
-    def intake(self) -> None:
-        """Under the scheduler lock: submitted requests enter the scheduler."""
-        ...
-
-    def has_submissions(self) -> bool: ...
-
-    def notify(self, reqs: list[Request]) -> None:
-        """Outside the scheduler lock: runs the listeners of requests with news."""
-        ...
-
-    def now(self) -> float:
-        """The engine clock, stamped on delivered tokens."""
-        ...
-
-    def driver_should_exit(self) -> bool:
-        """An idle driver asks (outside the scheduler lock): True retires it."""
-        ...
-
-    def iterate_exclusive(self) -> bool:
-        """The event loop's driver: one iteration, no inline driver beside it; False when
-        there was nothing to do."""
-        ...
-
-    def drain_exclusive(self) -> None:
-        """The event loop's driver, exiting: the aborts left applied, a pending step finished."""
         ...
 
 

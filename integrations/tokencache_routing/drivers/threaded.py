@@ -15,8 +15,8 @@ longest-waiting first, and the batch cap makes the most recently stepped request
 Memory: make-room evicts, then preempts the newest idle request; when only the other worker's
 busy requests could free memory, the worker waits for that forward to end.
 
-The driver sees the engine through state.DriverEngine only (the driver interface), and the
-engine sees it as a state.Driver (start, alive, wake, join).
+The driver sees the engine through driver_api.DriverEngine only (the driver interface), and the
+engine sees it as a driver_api.Driver (start, alive, wake, join).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from ..core.admission import WaitForMemory
 from ..core.batch import PreparedForward
+from ..core.driver_api import DriverEngine
 from ..core.kv import forward_paths
-from ..core.scheduler import WaitForMemory
-from ..core.state import LARGE, SMALL, DriverEngine
+from ..core.state import LARGE, SMALL
 
 _POLL_S = 0.05  # a waiting worker looks again at least this often
 

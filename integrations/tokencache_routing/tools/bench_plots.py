@@ -1,5 +1,6 @@
-"""The serving benchmark's plots of long generations: tokens/s against concurrency, and
-tokens/s, bookkeeping share and the tree's cost per step against output length."""
+"""The serving benchmark's plots: tokens/s against the routing rate (one workload point), and
+of long generations tokens/s against concurrency, and tokens/s, bookkeeping share and the
+tree's cost per step against output length."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .bench_rows import BOUNDS, LIMITS, SYSTEMS
 from .bench_workloads import COMPARED, SWEEP_SYSTEMS
 
 STYLE = {
@@ -47,6 +49,34 @@ def _log2_ticks(ax: Any, xs: Sequence[float]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
     ax.minorticks_off()
+
+
+def plot_rates(rows: Sequence[Any], path: Path) -> bool:
+    """Decode tok/s against the routing rate p, one panel per context; the bounds as lines."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    contexts = sorted({r.context for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts, strict=True):
+        for system in [*SYSTEMS, *LIMITS]:
+            pts = sorted(
+                (r.p, r.tokens_per_s) for r in rows if r.context == ctx and r.system == system
+            )
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=system)
+        for r in rows:
+            if r.context == ctx and r.system in BOUNDS:
+                ax.axhline(r.tokens_per_s, ls="--", lw=1, label=r.system,
+                           color="green" if r.system.startswith("small") else "gray")  # fmt: skip
+        ax.set_title(f"context {ctx}")
+        ax.set_xlabel("routing rate p")
+        ax.set_ylabel("decode tokens/s (engine clock)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def plot_concurrency(rows: Sequence[Any], path: Path) -> bool:

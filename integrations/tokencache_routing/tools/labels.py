@@ -1,6 +1,6 @@
 """Divergence labels from real greedy generations of the bundled SmolLM2-135M.
 
-    python -m tokencache_routing.labels [--layers 10] [--prompts N] [--max-new 32]
+    python -m tokencache_routing labels [--layers 10] [--prompts N] [--max-new 32]
 
 1. The large model (all 30 layers) answers every prompt of data/prompts.txt greedily through
    the paged runner; the residual stream after layer k is captured at each step (one pass: the
@@ -283,7 +283,3 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{name}: {len(rows.label)} rows, {float(rows.label.mean()):.1%} where the small "
             f"model's token differs -> {work_dir()}"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Routing quality: escalated share against agreement with the large model alone.
 
-    python -m tokencache_routing.quality [--layers 10] [--prompts N] [--out bench-out/quality]
+    python -m tokencache_routing quality [--layers 10] [--prompts N] [--out bench-out/quality]
 
-Builds (or reuses, from the cache dir) the divergence labels of tokencache_routing.labels, trains
+Builds (or reuses, from the cache dir) the divergence labels of tools/labels.py, trains
 the NeuralRouter on the train prompts' rows, and sweeps the threshold of the entropy, top-1
 probability and neural routers over the held-out prompts. For each threshold:
 
@@ -317,7 +317,7 @@ def engine_check(
 ) -> list[dict[str, float | str]]:
     """The real RoutedEngine on the test prompts with each router: share of tokens the large
     model wrote, token agreement and exact match against the large model's own answers."""
-    from .. import RoutedEngine, SchedulerConfig
+    from .. import EngineConfig, RoutedEngine, SchedulerConfig
 
     answers = lab.trace.answers()
     out: list[dict[str, float | str]] = []
@@ -328,9 +328,11 @@ def engine_check(
             small,
             large,
             router,
-            num_slots=sum(map(len, test)) + len(test) * (max_new + 2),
-            scheduler=SchedulerConfig(max_running=32),
-            eos_token_id=eos,
+            config=EngineConfig(
+                num_slots=sum(map(len, test)) + len(test) * (max_new + 2),
+                scheduler=SchedulerConfig(max_running=32),
+                eos_token_id=eos,
+            ),
         )
         res = eng.generate(test, max_new)
         n = sum(map(len, res.tokens))
@@ -479,7 +481,3 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{100 * float(e['token_agreement']):.1f}%, exact {100 * float(e['exact_match']):.0f}%"
         )
     print(f"-> {out}/quality.md, quality.json" + (", quality.png" if plotted else ""))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Train the R2R-style neural router from (features, label) files.
 
-    python -m tokencache_routing.train_router --features F [F ...] --out W [--recall 0.95]
+    python -m tokencache_routing train-router --features F [F ...] --out W [--recall 0.95]
 
 A features file (.pt dict or .npz) holds, for N small-model steps: hidden [N, H], token_emb [N, E]
 (the sampled token's embedding), topk_logits [N, k] and label [N] (1 = the large model is needed).
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--recall", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    require_or_exit("torch", "tqdm", extra="routing", prog="tokencache_routing.train_router")
+    require_or_exit("torch", "tqdm", extra="routing", prog="tokencache_routing train-router")
     import torch
     from tqdm import tqdm
 
@@ -129,7 +129,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"trained on {len(y)} rows ({int(y.sum())} positive): threshold {router.threshold:.4f}, "
         f"train recall {rec:.3f}, escalation rate {float(esc.float().mean()):.3f} -> {a.out}"
     )
-
-
-if __name__ == "__main__":
-    main()
