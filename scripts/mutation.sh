@@ -4,11 +4,12 @@
 # in its own copy), so it can run beside other work; results and a summary land in $OUT.
 #
 #   bash scripts/mutation.sh python [MODULE...] [-- PYTEST_ARGS...]
-#       mutmut on integrations/tokencache_routing/core/MODULE.py (default: sampling scheduler
-#       batch; rng, routers and holdback too if named), against the routing tests named in
-#       TESTS_<module> below (PYTEST_ARGS are added to pytest's). MUTANTS='glob ...' narrows
-#       to mutant names, e.g.
-#       MUTANTS='tokencache_routing.core.sampling.x__draw*' (mutmut's own naming).
+#       mutmut on integrations/tokencache_routing/core/MODULE.py (default: sampling, the
+#       scheduler's modules (SCHEDULER_MODULES below) and batch; rng, routers and holdback too
+#       if named; a MODULE with a folder, drivers/events or sim/clock, is taken under
+#       tokencache_routing/ instead of core/), against the routing tests named in
+#       TESTS_<module> below (PYTEST_ARGS are added to pytest's). MUTANTS narrows to mutant
+#       names, e.g. MUTANTS='tokencache_routing.core.sampling.x__draw*' (mutmut's own naming).
 #   bash scripts/mutation.sh serve [MODULE...] [-- PYTEST_ARGS...]
 #       the same for integrations/tokencache_serve/MODULE.py (default: generation protocol
 #       errors textstream), against the server tests named in TESTS_serve_<module> below
@@ -28,7 +29,7 @@
 # sample is drawn from the mutants its globs match).
 # Tools: mutmut and its dependencies pinned in requirements/optional/mutation.txt (installed
 # into .venv on first use), cargo-mutants (`cargo install cargo-mutants --locked --version
-# 27.1.0`). Record what a run killed in docs/MUTATION.md with the date, commit and scope.
+# 27.1.0`). Record what a run killed in docs/MUTATION.md with its commit and scope.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-/tmp/tokencache-mutation}"
@@ -42,17 +43,29 @@ PY="$ROOT/.venv/bin/python"
 
 # The tests that exercise each module quickly (the engine-level ones are slower: kept to the
 # files that pin the module's promises).
-TESTS_sampling="tests/routing/test_sampling.py tests/routing/test_sampling_draws.py tests/routing/test_overlap.py tests/routing/test_routers.py tests/routing/test_failures.py tests/routing/test_epilogue_routing.py"
+TESTS_sampling="tests/routing/test_sampling.py tests/routing/test_sampling_draws.py tests/routing/test_routers.py tests/routing/test_epilogue_routing.py"
+# (no test that runs a bench in a subprocess: the child cannot import mutmut's trampoline)
+TESTS_events="tests/routing/test_overlap.py tests/routing/test_host_path.py tests/routing/test_clock.py"
+TESTS_clock="tests/routing/test_clock.py tests/routing/test_tp_cost.py"
 TESTS_routers="tests/routing/test_routers.py tests/routing/test_epilogue_routing.py"
 TESTS_rng="tests/routing/test_sampling_rng.py tests/routing/test_sampling.py tests/routing/test_routers.py"
-TESTS_scheduler="tests/routing/test_scheduler_mutants.py tests/routing/test_catchup_holdback.py tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_launch_policy.py tests/routing/test_failures.py tests/routing/test_abort.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py"
+TESTS_scheduler="tests/routing/test_scheduler_mutants.py tests/routing/test_scheduling_rules.py tests/routing/test_admission.py tests/routing/test_abort.py tests/routing/test_catchup_holdback.py tests/routing/test_chunked_prefill.py tests/routing/test_launch_policy.py tests/routing/test_finish_reason.py"
+# The scheduler's modules (core/scheduler.py only composes them): the scheduler's tests, plus
+# those that pin each module's own promises.
+SCHEDULER_MODULES="request_lists admission batch_planning forward_finishing launch_policy scheduler_config"
+TESTS_request_lists="$TESTS_scheduler tests/routing/test_failures.py"
+TESTS_admission="$TESTS_scheduler"
+TESTS_batch_planning="$TESTS_scheduler tests/routing/test_overlap.py tests/routing/test_launch_policy.py"
+TESTS_forward_finishing="$TESTS_scheduler tests/routing/test_finish_reason.py tests/routing/test_failures.py tests/routing/test_overlap.py"
+TESTS_launch_policy="tests/routing/test_launch_policy.py tests/routing/test_scheduler_mutants.py"
+TESTS_scheduler_config="tests/routing/test_launch_policy.py tests/routing/test_engine_config.py tests/routing/test_chunked_prefill.py tests/routing/test_scheduler_mutants.py"
 TESTS_holdback="tests/routing/test_overlaps_prefill.py tests/routing/test_catchup_holdback.py tests/routing/test_admission.py"
 TESTS_batch="tests/routing/test_catchup_holdback.py tests/routing/test_admission.py tests/routing/test_slot_rows.py tests/routing/test_exactness.py tests/routing/test_overlap.py tests/routing/test_chunked_prefill.py tests/routing/test_forward_lifecycle.py tests/routing/test_host_path.py"
 
 # The server's modules: the files that pin each module's promises (the server runs in a thread
 # of the test process, on the tiny models; each list ~10-25 s clean).
 TESTS_serve_generation="tests/serve/test_generation_units.py tests/serve/test_openai_api.py tests/serve/test_conformance.py tests/serve/test_isolation.py tests/serve/test_engine_failure.py tests/serve/test_shutdown.py tests/serve/test_disconnect.py tests/serve/test_threaded_mode.py"
-TESTS_serve_protocol="tests/serve/test_protocol_units.py tests/serve/test_errors.py tests/serve/test_fuzz.py tests/serve/test_openai_api.py tests/serve/test_conformance.py"
+TESTS_serve_protocol="tests/serve/test_protocol_units.py tests/serve/test_errors.py tests/serve/test_fuzz.py"
 TESTS_serve_errors="tests/serve/test_errors.py tests/serve/test_engine_failure.py tests/serve/test_shutdown.py tests/serve/test_conformance.py"
 TESTS_serve_textstream="tests/serve/test_textstream.py tests/serve/test_isolation.py tests/serve/test_openai_api.py tests/serve/test_conformance.py"
 
@@ -161,8 +174,20 @@ EOF
 
 run_python() {
   local args=("$@")
-  [ $# -gt 0 ] && [ "$1" != "--" ] || args=(sampling scheduler batch "$@")
-  run_mutmut routing tokencache_routing/core TESTS_ "${args[@]}"
+  # shellcheck disable=SC2206  # SCHEDULER_MODULES: names split into words on purpose
+  [ $# -gt 0 ] && [ "$1" != "--" ] || args=(sampling $SCHEDULER_MODULES batch "$@")
+  local modules=() extra=() m
+  while [ ${#args[@]} -gt 0 ]; do
+    if [ "${args[0]}" = "--" ]; then extra=("${args[@]}"); break; fi
+    modules+=("${args[0]}"); args=("${args[@]:1}")
+  done
+  for m in "${modules[@]}"; do  # one run per module: a module's folder names its package
+    if [[ "$m" == */* ]]; then
+      run_mutmut routing "tokencache_routing/${m%/*}" TESTS_ "${m##*/}" "${extra[@]}"
+    else
+      run_mutmut routing tokencache_routing/core TESTS_ "$m" "${extra[@]}"
+    fi
+  done
 }
 
 run_serve() {
@@ -189,5 +214,5 @@ case "${1:-}" in
   python) shift; run_python "$@" ;;
   serve) shift; run_serve "$@" ;;
   rust) shift; run_rust "$@" ;;
-  *) sed -n 2,29p "$0"; exit 2 ;;
+  *) sed -n 2,32p "$0"; exit 2 ;;
 esac

@@ -17,6 +17,16 @@ sys.path.insert(0, str(HERE.parents[1] / "integrations"))  # run from a checkout
 sys.path.insert(0, str(HERE))  # routing_helpers
 
 
+@pytest.fixture(autouse=True)
+def checked_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every event loop a test builds records its forwards' times and checks the clock's rules
+    on them whenever none is in flight (drivers/forward_trace.py); an engine built in a
+    subprocess inherits it."""
+    from tokencache_routing.drivers.forward_trace import TRACE_ENV
+
+    monkeypatch.setenv(TRACE_ENV, "1")
+
+
 @pytest.fixture(scope="session")
 def pair() -> Iterator[tuple[Any, Any]]:
     from routing_helpers import tiny_config

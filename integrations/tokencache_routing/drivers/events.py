@@ -16,10 +16,12 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..core.admission import WaitForMemory
 from ..core.batch import PreparedForward
+from ..core.driver_api import DriverEngine
 from ..core.kv import forward_paths
-from ..core.scheduler import WaitForMemory
-from ..core.state import LARGE, SMALL, DriverEngine, Request
+from ..core.state import LARGE, SMALL, Request
+from .forward_trace import ForwardTrace, span_of, tracing
 
 
 class EventEngine(DriverEngine, Protocol):
@@ -54,6 +56,10 @@ class EventLoop:
         # is done on the engine clock (the host clock is t_small).
         self.pending: Launched | None = None
         self.dev_free = 0.0
+        self.launches = 0  # forwards launched so far: a forward's launch order (Launched.seq)
+        # Each finished forward's span on the clock, checked whenever none is in flight
+        # (forward_trace.py); kept only when asked (TRACE_ENV: the tests).
+        self.trace: ForwardTrace | None = ForwardTrace() if tracing() else None
 
     def now(self) -> float:
         """The engine clock: the later of the two models' clocks."""
@@ -78,6 +84,8 @@ class EventLoop:
                 s.admit(not_after=self.t_small)
         if not s.has_work():
             if self.pending is None:
+                if self.trace is not None:
+                    self.trace.check()
                 return False
             self.land_pending()  # only rows dropped from it are left: their slots go back
             return True
@@ -92,6 +100,8 @@ class EventLoop:
         s.stats.bookkeeping_s = sum(side.bookkeeping_s for side in self.sides)
         s.stats.forward_paths = forward_paths(self.sides)
         s.stats.modeled_s = self.eng.now()
+        if self.trace is not None and self.pending is None:
+            self.trace.check()
         return True
 
     def _host_work(self) -> HostWork:
@@ -216,6 +226,7 @@ class EventLoop:
         # Tokens are delivered at the step's end: its host time so far and its device work.
         back, host, tree = self._land(launched, t + self._charge(*launched.costs))
         cost = self._charge(launched.device_s, host, tree)
+        self._record(launched, t, t + cost)
         if kind == SMALL:  # the GPU waits for what the clock charges beyond its work
             self.sched.stats.device_idle_s += cost - launched.device_s
         return cost, back
@@ -240,7 +251,14 @@ class EventLoop:
         self.eng.runner_host_work(prep)  # the modelled runner's grouping is host work
         host = timer() - h0 - prep.execute_host_s
         device = self.eng.forward_cost(kind, prep, dt)  # the clock's pricing is not
-        return Launched(kind, prep, dt, device, host, self._tree_s() - tree0)
+        self.launches += 1
+        return Launched(kind, prep, dt, device, host, self._tree_s() - tree0, self.launches)
+
+    def _record(self, launched: Launched, start: float, end: float) -> None:
+        """A finished forward's span on the clock, when the loop keeps a trace."""
+        if self.trace is not None:
+            two = self.eng.topology == "two-devices"
+            self.trace.add(span_of(launched.seq, launched.kind, launched.prep, two, start, end))
 
     def _land(self, launched: Launched, now: float) -> tuple[list[Request], float, float]:
         """Finish a launched forward on the host at engine time `now` (tokens committed and
@@ -283,7 +301,7 @@ class EventLoop:
         if launched.kind == SMALL:
             self.sched.stats.device_idle_s += start - self.dev_free
         self.dev_free = start + launched.device_s
-        launched.end = self.dev_free
+        launched.start, launched.end = start, self.dev_free
 
     def _launch_timed(self, kind: int, after: PreparedForward | None = None) -> Launched | None:
         launched = self._launch(kind, after)
@@ -296,6 +314,7 @@ class EventLoop:
         self.t_small = max(self.t_small, launched.end)
         h0, tree0 = launched.host_s, launched.tree_s
         back, host, tree = self._land(launched, self.t_small)
+        self._record(launched, launched.start, launched.end)
         self.t_small += self._host_cost(host - h0, tree - tree0)
         return back
 
@@ -371,6 +390,7 @@ class EventLoop:
         if launched is not None:
             self.t_small += self._host_cost(launched.host_s, launched.tree_s)
             start = max(self.t_large, self.t_small)
+            launched.start = start
             launched.end = self.t_large = start + launched.device_s
         return launched
 
@@ -385,6 +405,7 @@ class EventLoop:
         # reaches the catch-up's end (_rejoin).
         h0, tree0 = catchup.host_s, catchup.tree_s
         back, host, tree = self._land(catchup, catchup.end)
+        self._record(catchup, catchup.start, catchup.end)
         self.t_small += self._host_cost(host - h0, tree - tree0)
         self.done_at = catchup.end
         s.inflight = back
@@ -393,8 +414,8 @@ class EventLoop:
 @dataclass
 class Launched:
     """A forward launched by the event loop and not finished yet: its device time measured
-    (forward_s) and on the engine clock (device_s), its host and tree time so far, and (with
-    overlap) when it ends on the engine clock."""
+    (forward_s) and on the engine clock (device_s), its host and tree time so far, its launch
+    order (seq), and (with overlap) when it starts and ends on the engine clock."""
 
     kind: int
     prep: PreparedForward
@@ -402,6 +423,8 @@ class Launched:
     device_s: float
     host_s: float
     tree_s: float
+    seq: int = 0
+    start: float = 0.0
     end: float = 0.0
 
     @property
