@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unique-prompt", type=int, default=None, help="32; reasoning: 128")
     p.add_argument("--min-large-batch", type=int, default=32)
     p.add_argument("--max-wait", type=int, default=8)
-    p.add_argument("--min-occupancy", type=float, default=0.8)
+    p.add_argument("--min-occupancy", type=float, default=0.5)
     p.add_argument("--max-parked", type=int, default=None, help="default: --max-running")
     p.add_argument("--max-wait-ms", type=float, default=20.0)
     p.add_argument("--two-devices", action="store_true", help="large model on cuda:1")

@@ -13,12 +13,15 @@
 #   bash benches/gpu/run_all.sh reasoning  # routing_step.py --workload reasoning, ~8.5 minutes
 #   bash benches/gpu/run_all.sh reasoning-32b  # the same with a Qwen3-32B large model
 #   bash benches/gpu/run_all.sh warm       # warm_start.py, at most 5 minutes
+#   bash benches/gpu/run_all.sh clock      # tools/clock_check.py over $OUT's rows (seconds, CPU)
 # `all`, in the order of what matters most, each part's target rows first: decode (decode and
 # catch-ups on every path, graphs included, Qwen3-0.6B / 8B / 32B) 120 s for starting rows, at
 # most 150; reasoning with Qwen3-8B (tokencache, the 8B alone, naive-sglang; 2048 new tokens,
 # p = 0.1) 140 s, at most 190; reasoning with Qwen3-32B (tokencache, the 32B alone) 70 s, at
 # most 110; warm (RoutedEngine.warm_up's time and the first request's TTFT) at most 80; the
-# engine step and the shared-prompt routing rows only if time is left. Each part runs even
+# engine step and the shared-prompt routing rows only if time is left; last the clock check
+# (the GPU clock priced against the run's own rows, its error and the break-even rate, on the
+# host: seconds). Each part runs even
 # when the one before fails; its rows say what it measured. Results land in $OUT
 # (markdown + JSON: what comes back from the device machine) and in benches/gpu/results/
 # (GPU_RESULTS). Each script refuses clearly when no CUDA device is present; GPU_SMOKE=1 runs
@@ -77,6 +80,12 @@ routing() { # $1: workload, $2: budget (s) for starting rows, $3: grace (s), $4:
   keep
   return "$rc"
 }
+clock_check() { # the GPU clock priced against this run's serving rows, with its own forwards
+  stamp "clock check"
+  "$PY" -m tokencache_routing clock-check "$OUT" --break-even 2>&1 |
+    tee "$OUT/clock_check.md"
+  return "${PIPESTATUS[0]}"
+}
 case "$part" in
   decode) decode 270 330 ;;
   engine) engine 150 210 ;;
@@ -84,6 +93,7 @@ case "$part" in
   reasoning) routing reasoning 380 90 500 ;;
   reasoning-32b) MD_TAG=-32b routing reasoning 380 90 500 --large qwen3-32b ;;
   warm) warm 300 ;;
+  clock) clock_check ;;
   all)
     rc=0
     decode 120 150 || rc=$?
@@ -99,11 +109,12 @@ case "$part" in
     else
       stamp "engine and shared-prompt routing not run: ${left} s left of ${TOTAL}"
     fi
+    clock_check || rc=$?
     stamp "done (rc $rc)"
     exit "$rc"
     ;;
   *)
-    echo "usage: run_all.sh all|decode|reasoning|reasoning-32b|warm|engine|routing" >&2
+    echo "usage: run_all.sh all|decode|reasoning|reasoning-32b|warm|engine|routing|clock" >&2
     exit 2
     ;;
 esac

@@ -114,7 +114,7 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--min-occupancy",
         type=float,
-        default=0.8,
+        default=0.5,
         help="launch a catch-up before parked requests leave the small batch below this share",
     )
     e.add_argument(

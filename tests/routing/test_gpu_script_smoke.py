@@ -27,6 +27,7 @@ PARTS = [
     "warm",
     "engine",
     "routing shared-prompt",
+    "clock check",
 ]
 MARKDOWN = (
     "decode_step",
@@ -35,6 +36,7 @@ MARKDOWN = (
     "warm_start",
     "engine_step",
     "routing_step",
+    "clock_check",
 )
 # run_all.sh runs the four scripts in a subprocess under its own 600 s limit: that one, not
 # pytest-timeout's 300 s default, is to fail first (with the scripts' output).
@@ -209,6 +211,8 @@ def test_each_part_runs_after_a_failure_and_refuses_without_cuda(tmp_path: Path)
     res = _run_all(tmp_path)
     assert res.returncode != 0
     assert _stamps(tmp_path) == [*PARTS, "done"]
-    for md in MARKDOWN:
+    *gpu_parts, clock = MARKDOWN
+    for md in gpu_parts:
         assert "CUDA" in (tmp_path / f"{md}.md").read_text(), md
+    assert "no serving rows" in (tmp_path / f"{clock}.md").read_text()
     assert not list(tmp_path.glob("*.json"))

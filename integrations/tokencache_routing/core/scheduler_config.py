@@ -68,7 +68,9 @@ class SchedulerConfig:
     max_large_batch: int | None = None
     max_wait_s: float = 0.0
     max_parked: int | None = None
-    min_occupancy: float = 0.8
+    # 0.5, not a fuller batch: an eager catch-up costs ~37 ms in the engine whatever its size,
+    # so fewer, larger ones pay (BENCHMARKS.md, "The launch policy on the refit clock")
+    min_occupancy: float = 0.5
     chunked_prefill_size: int = 2048
     large_chunked_prefill_size: int | None = None
     launch: LaunchPolicy = "threshold"

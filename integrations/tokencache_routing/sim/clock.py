@@ -20,10 +20,18 @@ catch-ups, prefills and short prefixes read per row). Without it every row reads
 list, sum(kv_lens). `describe()` names the mode.
 
 Profiles:
-- "h200-2026-11-30" (default): least-squares fit of cost = a + b*batch + c*new_tokens +
-  d*kv_tokens to what one H200 measured for the runner of that day (host-bound: ~22-28 ms a
-  step at any batch; multi-token catch-ups far above their work). That runner read each row's
-  KV itself: shared_prefix False (as for clocks fitted with GpuClock.fit, unless asked).
+- "h200-2026-12-04" (default): least-squares fit of cost = a + b*batch + c*new_tokens +
+  d*kv_tokens to decode_step.py's rows of one H200 (data/h200-2026-12-04.json, the file that
+  run wrote, kept verbatim; per shape the fastest path: decode from CUDA graphs, 2.3-10 ms;
+  multi-token forwards eager and host-bound, ~15-20 ms at any size). That runner reads a
+  shared prefix once (shared_prefix True). Its engine overhead (data/h200-2026-12-04.engine.json,
+  written by tools/clock_check.py --refit from the same run's serving rows) adds what a
+  forward costs inside the engine beyond the isolated forward: the host work around a small
+  step, and a catch-up's own preparation and synchronisation (28-34 ms in the engine against
+  ~20 ms isolated). `engine_overhead=False` prices the isolated forwards alone.
+- "h200-2026-11-30": the same fit to the runner of that day (host-bound: ~22-28 ms a step at
+  any batch; multi-token catch-ups far above their work). That runner read each row's KV
+  itself: shared_prefix False (as for clocks fitted with GpuClock.fit, unless asked).
 - "h200-roofline": no measurement: weights + KV read once at the device's bandwidth, or the
   FLOPs at its peak, whichever is larger, times 1.5 (the runner's target). A model of
   the runner being built, which reads a shared prefix once (shared_prefix True by default): a
@@ -34,7 +42,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +63,9 @@ from tokencache_models import (
 from ..core.prefix import NO_PREFIX, PrefixRead
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-DEFAULT_PROFILE = "h200-2026-11-30"
-PROFILES = (DEFAULT_PROFILE, "h200-roofline")
+DEFAULT_PROFILE = "h200-2026-12-04"
+MEASURED_PROFILES = (DEFAULT_PROFILE, "h200-2026-11-30")
+PROFILES = (*MEASURED_PROFILES, "h200-roofline")
 ROOFLINE_SLACK = 1.5
 
 
@@ -85,7 +94,7 @@ class Linear:
     c: float = 0.0
     d: float = 0.0
 
-    def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
+    def __call__(self, batch: float, new_tokens: float, kv_tokens: float) -> float:
         return self.a + self.b * batch + self.c * new_tokens + self.d * kv_tokens
 
     def floor(self, tokens: int, decode: bool) -> float:
@@ -113,7 +122,7 @@ class Roofline:
         params = param_count(cfg)
         return cls(2.0 * params, float(kv_bytes_per_token(cfg)), 2.0 * params)
 
-    def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
+    def __call__(self, batch: float, new_tokens: float, kv_tokens: float) -> float:
         mem = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.bandwidth
         return ROOFLINE_SLACK * max(mem, self.flops_per_token * new_tokens / self.peak_flops)
 
@@ -123,21 +132,30 @@ class ForwardCost:
     """One model's forward cost. Decode (one new token per request) and multi-token forwards
     (prefills, catch-ups) cost differently on a real runner, so each has its own fit; a
     multi-token forward without measurements costs the decode fit or the roofline, whichever
-    is larger."""
+    is larger. decode_overhead / multi_overhead: seconds the engine adds to each such forward
+    beyond the isolated forward (EngineOverhead)."""
 
     model: str
     decode: Linear | Roofline
     multi: Linear | Roofline | None = None
+    decode_overhead: float = 0.0
+    multi_overhead: float = 0.0
 
-    def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
+    def __call__(self, batch: float, new_tokens: float, kv_tokens: float) -> float:
+        """Seconds of one forward (a mean shape, in fractional rows and tokens, prices the
+        mean forward: the fits are linear in each)."""
         if batch == 0:
             return 0.0
         if new_tokens <= batch:
-            return self.decode(batch, new_tokens, kv_tokens)
+            return self.decode(batch, new_tokens, kv_tokens) + self.decode_overhead
         if self.multi is not None:
-            return self.multi(batch, new_tokens, kv_tokens)
+            return self.multi(batch, new_tokens, kv_tokens) + self.multi_overhead
         roof = Roofline.of(self.model)(batch, new_tokens, kv_tokens)
-        return max(self.decode(batch, new_tokens, kv_tokens), roof)
+        return max(self.decode(batch, new_tokens, kv_tokens), roof) + self.multi_overhead
+
+    def isolated(self) -> ForwardCost:
+        """The same fits without the engine's overhead."""
+        return ForwardCost(self.model, self.decode, self.multi)
 
     def floor(self, total_tokens: int, total_kv_tokens: int = 0) -> float:
         """No set of forwards writing total_tokens new tokens and reading total_kv_tokens KV
@@ -152,6 +170,12 @@ class ForwardCost:
         FLOPs."""
         if total_tokens <= 0:
             return 0.0
+        # at least one forward, so at least the smaller overhead once
+        return self._work_floor(total_tokens, total_kv_tokens) + min(
+            self.decode_overhead, self.multi_overhead
+        )
+
+    def _work_floor(self, total_tokens: int, total_kv_tokens: int) -> float:
         dec, multi = self.decode, self.multi or self.decode
         if isinstance(dec, Linear) and isinstance(multi, Linear):
             kv = min(dec.d, multi.d) * total_kv_tokens
@@ -214,6 +238,34 @@ def rows_from_decode_step(result: dict[str, Any]) -> list[dict[str, Any]]:
     return list(best.values())
 
 
+def measured_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The fit's rows of a measurements file: data/*.json's own rows, or decode_step.py's
+    (recognised by its "checks") through rows_from_decode_step."""
+    return rows_from_decode_step(data) if "checks" in data else list(data["rows"])
+
+
+@dataclass(frozen=True)
+class EngineOverhead:
+    """Seconds the engine adds to one forward beyond the isolated forward decode_step.py times
+    (host preparation, synchronisation, bookkeeping between forwards), per model and kind:
+    fitted by tools/clock_check.py from serving rows of the same run."""
+
+    decode_s: float = 0.0
+    multi_s: float = 0.0
+
+    @classmethod
+    def load(cls, path: Path) -> dict[str, EngineOverhead]:
+        data = json.loads(path.read_text())
+        return {
+            model: cls(v["decode_ms"] / 1e3, v["multi_ms"] / 1e3)
+            for model, v in data["overhead"].items()
+        }
+
+
+def overhead_path(profile: str) -> Path:
+    return DATA / f"{profile}.engine.json"
+
+
 def _fit(rows: list[dict[str, Any]], model: str) -> ForwardCost:
     mine = [r for r in rows if r["model"] == model and r.get("path", "torch") in ("torch", "auto")]
     decode = [r for r in mine if r["new_tokens"] <= r["batch"]]
@@ -228,7 +280,11 @@ class GpuClock:
 
     shared_prefix: whether the modelled runner reads a forward's shared slot-list prefix once
     (see the module docstring); None: the profile's default (True for "h200-roofline", the
-    runner being built; False for the measured fit, whose runner did not)."""
+    runner being built; for a measured fit what its file says: decode_step.py records
+    "shared_prefix_attention", older files read KV per request).
+
+    engine_overhead: add the profile's EngineOverhead (its data/<profile>.engine.json, where
+    one was fitted) to every forward; False prices isolated forwards."""
 
     def __init__(
         self,
@@ -236,6 +292,7 @@ class GpuClock:
         large: str = "qwen3-8b",
         profile: str = DEFAULT_PROFILE,
         shared_prefix: bool | None = None,
+        engine_overhead: bool = True,
     ) -> None:
         if profile not in PROFILES:
             raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -245,11 +302,27 @@ class GpuClock:
         self.small_name, self.large_name, self.profile = small, large, profile
         if profile == "h200-roofline":
             self.costs = (self.roofline(small), self.roofline(large))
+            default = True
         else:
-            rows = json.loads((DATA / f"{profile}.json").read_text())["rows"]
+            data = json.loads((DATA / f"{profile}.json").read_text())
+            rows = measured_rows(data)
             self.costs = (_fit(rows, small), _fit(rows, large))
-        default = profile == "h200-roofline"
+            default = bool(data.get("shared_prefix_attention", False))
+            path = overhead_path(profile)
+            if engine_overhead and path.exists():
+                self.with_overhead(EngineOverhead.load(path))
         self._set_shared_prefix(default if shared_prefix is None else shared_prefix)
+
+    def with_overhead(self, overhead: dict[str, EngineOverhead]) -> GpuClock:
+        """Adds each model's EngineOverhead (by model name) to its forwards, in place."""
+        costs = []
+        for cost in self.costs:
+            o = overhead.get(cost.model, EngineOverhead())
+            costs.append(
+                replace(cost.isolated(), decode_overhead=o.decode_s, multi_overhead=o.multi_s)
+            )
+        self.costs = (costs[0], costs[1])
+        return self
 
     def _set_shared_prefix(self, on: bool) -> None:
         """The shared-prefix kernel's shape of each model, with a bf16 cache (the benchmarks':
@@ -286,7 +359,7 @@ class GpuClock:
                 f"{path}: not forward measurements (data/*.json rows or decode_step.py's "
                 "JSON; a routing_step.py result holds serving runs, not forward costs)"
             )
-        rows = rows_from_decode_step(data) if "checks" in data else data["rows"]
+        rows = measured_rows(data)
         clock.costs = (_fit(rows, small), _fit(rows, large))
         if shared_prefix is None:
             shared_prefix = bool(data.get("shared_prefix_attention", False))
@@ -329,7 +402,7 @@ class GpuClock:
         skipped, read = prefix_traffic(kept, q_off, shape, decode)
         return PrefixRead(tuple(kept), skipped, read)
 
-    def kv_read(self, kv_tokens: int, prefix: PrefixRead = NO_PREFIX) -> int:
+    def kv_read(self, kv_tokens: float, prefix: PrefixRead = NO_PREFIX) -> float:
         """KV slots the modelled runner reads for a forward whose rows' contexts hold kv_tokens
         slots in all: with shared_prefix, kv_tokens - prefix.skipped + prefix.read (prefix_of
         of the forward: its paying groups' prefixes read once per block of their query rows,
@@ -341,9 +414,9 @@ class GpuClock:
     def forward_s(
         self,
         kind: int,
-        batch: int,
-        new_tokens: int,
-        kv_tokens: int,
+        batch: float,
+        new_tokens: float,
+        kv_tokens: float,
         prefix: PrefixRead = NO_PREFIX,
     ) -> float:
         """A forward of `batch` rows, new_tokens in all, over contexts of kv_tokens slots in

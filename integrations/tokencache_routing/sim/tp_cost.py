@@ -1,13 +1,12 @@
 """The GPU clock's price of a tensor-parallel forward: a model split over `tp` GPUs.
 
-Each rank reads 1/tp of the weights and of the KV (its KV heads; with fewer KV heads than
-ranks, a copy of one: 1/num_kv_heads) and does 1/tp of the FLOPs,
-the roofline of clock.Roofline on that share; then the collectives tokencache_models.parallel
-issues, which sit between a layer's GEMMs and so are not overlapped: two all-reduces per layer
-(after attention, after the MLP) and one after the embedding, each of new_tokens x hidden
-elements, plus one all-gather of the logits (batch x vocab). An NCCL ring all-reduce of B bytes
-moves 2 (tp - 1) / tp x B through each GPU's link, an all-gather (tp - 1) / tp x B; each
-collective also pays a fixed latency.
+Each rank reads 1/tp of the weights and of the KV (its KV heads; with fewer KV heads than ranks, a
+copy of one: 1/num_kv_heads) and does 1/tp of the FLOPs, the roofline of clock.Roofline on that
+share; then the collectives tokencache_models.parallel.tp_layers issues, which sit between a layer's
+GEMMs and so are not overlapped: two all-reduces per layer (after attention, after the MLP) and one
+after the embedding, each of new_tokens x hidden elements, plus one all-gather of the logits (batch
+x vocab). An NCCL ring all-reduce of B bytes moves 2 (tp - 1) / tp x B through each GPU's link, an
+all-gather (tp - 1) / tp x B; each collective also pays a fixed latency.
 
 Figures: NVLINK_BYTES_S is half the 900 GB/s NVLink bandwidth NVIDIA publishes for the H200
 (SXM; https://www.nvidia.com/en-us/data-center/h200/, "NVLink: 900GB/s"), which counts both
@@ -21,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokencache_models import PRESETS
-from tokencache_models.parallel import check_divisible, kv_heads_per_rank
+from tokencache_models.parallel.tp_layers import check_divisible, kv_heads_per_rank
 
 from .clock import ForwardCost, GpuClock, Roofline, kv_bytes_per_token, param_count
 
@@ -76,14 +75,14 @@ class TPRoofline(Roofline):
             return 0.0
         return self.latency + (self.tp - 1) / self.tp * nbytes / self.link_bandwidth
 
-    def collectives_s(self, batch: int, new_tokens: int) -> float:
+    def collectives_s(self, batch: float, new_tokens: float) -> float:
         reduces = 2 * self.layers + 1  # per layer after attention and the MLP; the embedding
         act = new_tokens * self.hidden * self.elem_bytes
         return reduces * self.all_reduce_s(act) + self.all_gather_s(
             batch * self.vocab * self.elem_bytes
         )
 
-    def __call__(self, batch: int, new_tokens: int, kv_tokens: int) -> float:
+    def __call__(self, batch: float, new_tokens: float, kv_tokens: float) -> float:
         return super().__call__(batch, new_tokens, kv_tokens) + self.collectives_s(
             batch, new_tokens
         )

@@ -172,7 +172,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="max wait in small steps (default 8; with --launch cost 0: no cap)",
     )
-    ap.add_argument("--min-occupancy", type=float, default=0.8, help="SchedulerConfig's")
+    ap.add_argument("--min-occupancy", type=float, default=0.5, help="SchedulerConfig's")
     ap.add_argument(
         "--max-parked", type=int, default=None, help="SchedulerConfig's (default: max-running)"
     )
