@@ -317,24 +317,43 @@ def check_graphs_vs_eager(
                 "tokens": out.logits.argmax(-1).tolist(),
             }
         )
+    max_diff, same_tokens = compare_paths(sides, steps, 1, lambda s, _: [[t] for t in s["tokens"]])
+    return {
+        "check": f"{paths[1]} vs {paths[0]}, fp32"
+        + (f", {systems} shared prompts of {shared} tokens" * bool(shared)),
+        "batch": batch,
+        "steps": steps,
+        **verdict(max_diff, same_tokens, sides[1]["paths"].runner()),
+    }
+
+
+def compare_paths(
+    sides: list[dict[str, Any]],
+    rounds: int,
+    new_tokens: int,
+    inputs: Callable[[dict[str, Any], int], list[list[int]]],
+) -> tuple[float, bool]:
+    """`rounds` forwards on each side (its path, pool and slot lists; each request gets
+    new_tokens slots, its tokens from inputs(side, round)), each side feeding back its own
+    greedy tokens: the max |logit diff| between the two and whether every greedy token agrees."""
     max_diff, same_tokens = 0.0, True
-    for _ in range(steps):
+    for r in range(rounds):
         logits = []
         for s in sides:
-            new = [s["pool"].alloc(1) for _ in range(batch)]
-            fb = ForwardBatch.from_requests([[t] for t in s["tokens"]], s["slots"], new)
+            new = [s["pool"].alloc(new_tokens) for _ in s["slots"]]
+            fb = ForwardBatch.from_requests(inputs(s, r), s["slots"], new)
             out = s["paths"].call(s["path"], fb)()
             s["slots"] = [torch.cat((a, b)) for a, b in zip(s["slots"], new, strict=True)]
             s["tokens"] = out.logits.argmax(-1).tolist()
             logits.append(out.logits)
         max_diff = max(max_diff, (logits[0] - logits[1]).abs().max().item())
         same_tokens &= sides[0]["tokens"] == sides[1]["tokens"]
-    runner = sides[1]["paths"].runner()
+    return max_diff, same_tokens
+
+
+def verdict(max_diff: float, same_tokens: bool, runner: Any) -> dict[str, Any]:
+    """A graphs-vs-eager check's fields: fp32 logits within 1e-4 and the same greedy tokens."""
     return {
-        "check": f"{paths[1]} vs {paths[0]}, fp32"
-        + (f", {systems} shared prompts of {shared} tokens" * bool(shared)),
-        "batch": batch,
-        "steps": steps,
         "max_abs_logit_diff": max_diff,
         "greedy_tokens_identical": same_tokens,
         "graph_replays": runner.replays if runner is not None and runner.use_graphs else 0,
@@ -369,30 +388,19 @@ def check_extend_graphs_vs_eager(
         pool = model.make_kv_pool(sum(lens) + k * t * rounds + 8)
         slots = [pool.alloc(n) for n in lens]
         for p, sl in zip(prompts, slots, strict=True):
-            out = model(ForwardBatch.from_requests([p], [[]], [sl]), pool, "torch")
+            model(ForwardBatch.from_requests([p], [[]], [sl]), pool, "torch")
         sides.append({"path": path, "pool": pool, "paths": Paths(model, pool, cuda)})
         sides[-1].update(slots=slots, tokens=[0] * k)
-    max_diff, same_tokens = 0.0, True
-    for tail in tails:
-        logits = []
-        for s in sides:
-            new = [s["pool"].alloc(t) for _ in range(k)]
-            tokens = [[first, *rest] for first, rest in zip(s["tokens"], tail, strict=True)]
-            fb = ForwardBatch.from_requests(tokens, s["slots"], new)
-            out = s["paths"].call(s["path"], fb)()
-            s["slots"] = [torch.cat((a, b)) for a, b in zip(s["slots"], new, strict=True)]
-            s["tokens"] = out.logits.argmax(-1).tolist()
-            logits.append(out.logits)
-        max_diff = max(max_diff, (logits[0] - logits[1]).abs().max().item())
-        same_tokens &= sides[0]["tokens"] == sides[1]["tokens"]
-    runner = sides[1]["paths"].runner("catch-up")
+    max_diff, same_tokens = compare_paths(
+        sides,
+        rounds,
+        t,
+        lambda s, r: [[first, *rest] for first, rest in zip(s["tokens"], tails[r], strict=True)],
+    )
     return {
         "check": f"catch-up graphs vs eager, fp32, {k}x{t}@{ctx}",
         "rounds": rounds,
-        "max_abs_logit_diff": max_diff,
-        "greedy_tokens_identical": same_tokens,
-        "graph_replays": runner.replays if runner is not None and runner.use_graphs else 0,
-        "ok": max_diff <= 1e-4 and same_tokens,
+        **verdict(max_diff, same_tokens, sides[1]["paths"].runner("catch-up")),
     }
 
 

@@ -47,13 +47,15 @@ ONE_DEVICE: list[Row] = [
 
 # One device, overlap on: step k+1 is launched before step k is finished and queues behind it;
 # a request step k parks has its row dropped from step k+1 (computed, not served), and its
-# catch-up queues behind step k+1. Small idle: the two catch-ups, 2.5 + 2.5 = 5.
+# catch-up queues behind step k+1. The host finishes step k+1 before it waits for that
+# catch-up (k+1 ends first on the device). Small idle: the two catch-ups, 2.5 + 2.5 = 5.
 ONE_DEVICE_OVERLAP: list[Row] = [
     ("small", "prefill", (0, 1), 0.0, 1.0),  # 0 + 1
     ("small", "decode", (0, 1), 1.0, 2.0),  # 1 + 1: A parked at 2
     ("small", "decode", (1,), 2.0, 3.0),  # 2 + 1: A's row dropped; B's token 2 escalated
     ("large", "catch-up", (0,), 3.0, 5.5),  # behind the step before: 3 + 2.5
-    ("small", "decode", (0,), 5.5, 6.5),  # 5.5 + 1: A's token 2; B's row dropped (parked at 3)
+    # B's parking is known at 3 (its step finished while A's catch-up ran): B is not in the next
+    ("small", "decode", (0,), 5.5, 6.5),  # 5.5 + 1: A's token 2, delivered at 6.5
     ("large", "catch-up", (1,), 6.5, 9.0),  # behind the step before: 6.5 + 2.5
     ("small", "decode", (1, 0), 9.0, 10.0),  # 9 + 1: token 3 of both, both done at 10
 ]
@@ -92,9 +94,20 @@ TWO_DEVICES_OVERLAP: list[Row] = [
 # dropped rows)
 CASES: dict[tuple[str, bool], tuple[list[Row], float, float, int]] = {
     ("one-device", False): (ONE_DEVICE, 9.0, 5.0, 0),
-    ("one-device", True): (ONE_DEVICE_OVERLAP, 10.0, 5.0, 2),
+    ("one-device", True): (ONE_DEVICE_OVERLAP, 10.0, 5.0, 1),
     ("two-devices", False): (TWO_DEVICES, 8.0, 1.5 + 0.5, 0),
     ("two-devices", True): (TWO_DEVICES_OVERLAP, 8.0, 0.5 + 0.5, 2),
+}
+
+# (topology, overlap) -> each request's tokens' delivery times (A's, B's): a token is delivered
+# when the host finishes the forward that wrote it, at that forward's end on the step clock (no
+# host time); a parking step's token is the catch-up's to write. With overlap on one device
+# A's token 2 comes at its step's end, 6.5, not at the end of B's catch-up queued behind it.
+DELIVERED: dict[tuple[str, bool], list[list[float]]] = {
+    ("one-device", False): [[1.0, 4.5, 5.5, 9.0], [1.0, 2.0, 8.0, 9.0]],
+    ("one-device", True): [[1.0, 5.5, 6.5, 10.0], [1.0, 2.0, 9.0, 10.0]],
+    ("two-devices", False): [[1.0, 4.5, 5.5, 6.5], [1.0, 2.0, 7.0, 8.0]],
+    ("two-devices", True): [[1.0, 4.5, 5.5, 6.5], [1.0, 2.0, 7.0, 8.0]],
 }
 
 
@@ -142,13 +155,13 @@ def test_every_forward_starts_and_ends_when_computed_by_hand(
     large_device = 1 if topology == "two-devices" else 0
     assert [s.device for s in got] == [large_device if s.model == "large" else 0 for s in got]
     assert [h.models for h in handles] == MODELS
+    assert [h.token_times for h in handles] == DELIVERED[topology, overlap]
     assert eng.now() == now
     assert eng.stats.small_idle_s == small_idle
     assert eng.stats.dropped_rows == dropped
     assert eng._events.trace is not None and eng._events.trace.checked == len(got)
-    # No token is delivered before the forward that wrote it ends (a parking step's token is
-    # the catch-up's to write). Not always at its end: with overlap on one device the host
-    # finishes a catch-up queued behind a step before that step (A's token 2: 6.5, told 9).
+    # Every token is delivered when the forward that wrote it ends (a parking step's token is
+    # the catch-up's to write): the host finishes forwards in the order they end on a device.
     for h in handles:
         mine = [s for s in got if h.rid in s.rids]
         writers = [
@@ -156,7 +169,7 @@ def test_every_forward_starts_and_ends_when_computed_by_hand(
             if not (s.model == "small" and nxt is not None and nxt.model == "large")
         ]  # fmt: skip
         assert len(h.token_times) == len(writers) == NEW_TOKENS
-        assert all(t >= s.end for t, s in zip(h.token_times, writers, strict=True))
+        assert h.token_times == [s.end for s in writers]
     check_forwards(got)
 
 

@@ -122,9 +122,11 @@ def test_wait_between_two_tokens_is_bounded(pair: Any, topology: str) -> None:
     handles = [eng.submit(p, 24, route_key=i) for i, p in enumerate(prompts)]
     assert all(h.wait(120) for h in handles)
     gaps = [b - a for h in handles for a, b in itertools.pairwise(h.token_times)]
-    # 8 ready for 4 places: two small steps, a catch-up (cost 1) and the step that rejoins;
-    # with overlap one more, the step launched before the escalation was known (dropped).
-    assert eng.overlap and max(gaps) <= 6, max(gaps)
+    # A token is delivered at its forward's end. The longest wait: 8 ready for 4 places, so a
+    # request sits out two small steps and the catch-ups between them (cost 1 each), then its
+    # own step writes a token that escalates and waits for its catch-up behind one queued
+    # before it and a small step: 8 units here, starvation would be dozens.
+    assert eng.overlap and max(gaps) <= 8, max(gaps)
     exact(pair, router, prompts, handles)
 
 

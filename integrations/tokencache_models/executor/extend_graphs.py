@@ -39,10 +39,8 @@ the tests compare with eager.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -54,10 +52,10 @@ from ..forward.context import (
     HostBatch,
     decode_bucket,
     decode_kv_width,
-    to_device,
 )
 from ..forward.epilogue import Epilogue
-from .decode_graphs import DEFAULT_KV_CAPACITY, ForwardBody, capture_graph, write_deferred
+from .decode_graphs import DEFAULT_KV_CAPACITY, ForwardBody
+from .static_buffers import GraphStep, StaticBufferRunner
 
 if TYPE_CHECKING:
     from ..attention import TorchPagedAttention
@@ -75,17 +73,15 @@ DEFAULT_EXTEND_Q_WIDTHS: tuple[int, ...] = (16, 64, 512, 2048)
 ExtendKey = tuple[int, int, int, int, int, int, Epilogue | None]
 
 
-@dataclass(frozen=True)
-class ExtendStep:
-    """A multi-token forward loaded into a runner's static buffers, ready to replay."""
-
-    num_real: int
-    key: ExtendKey
+# A multi-token forward loaded into a runner's static buffers, ready to replay.
+ExtendStep = GraphStep[ExtendKey]
 
 
-class ExtendGraphRunner:
+class ExtendGraphRunner(StaticBufferRunner[ExtendKey]):
     """Multi-token forwards of one (pool, attention backend) through static buffers, replayed
     from CUDA graphs captured per ExtendKey on first use (one memory pool for all of them)."""
+
+    source_field = 5
 
     def __init__(
         self,
@@ -100,24 +96,16 @@ class ExtendGraphRunner:
     ) -> None:
         if any(not b or min(b) < 1 for b in (rows, tokens, q_widths)):
             raise ValueError("extend buckets must be non-empty lists of positive sizes")
-        self._pool = weakref.ref(pool)  # as DecodeGraphRunner: the pool owns its runners
-        self.model, self.backend = model, backend
         self.row_buckets = tuple(sorted(set(rows)))
         self.token_buckets = tuple(sorted(set(tokens)))
         self.q_widths = tuple(sorted(set(q_widths)))
         self.max_rows, self.max_tokens = self.row_buckets[-1], self.token_buckets[-1]
-        device = model.device
-        self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and device.type != "cuda":
-            raise ValueError("CUDA graphs need the model on a CUDA device")
-        self.kv_capacity = kv_capacity or DEFAULT_KV_CAPACITY
-        self.width_keyed = backend.name == "torch"
-        self.triton = backend.name == "triton"
         r, t = self.max_rows, self.max_tokens
-        # One packed buffer, one copy a step: tokens, positions, out slots, q offsets, row
-        # starts, row lengths, last tokens, the deferred tokens' source indices, destinations.
-        self._layout = (t, t, t, r + 1, r, r, r, t, t)
-        self._inputs = torch.zeros(sum(self._layout), dtype=torch.int64, device=device)
+        # The packed inputs: tokens, positions, out slots, q offsets, row starts, row lengths,
+        # last tokens, the deferred tokens' source indices, destinations.
+        layout = (t, t, t, r + 1, r, r, r, t, t)
+        capacity = kv_capacity or DEFAULT_KV_CAPACITY
+        super().__init__(model, pool, backend, layout, capacity, use_graphs)
         (
             self._tokens,
             self._positions,
@@ -128,35 +116,9 @@ class ExtendGraphRunner:
             self._last_token,
             self._deferred_index,
             self._deferred_dest,
-        ) = torch.split(self._inputs, list(self._layout))
-        self._starts = np.cumsum((0, *self._layout[:-1])).tolist()
-        self._kv_slots = torch.zeros(self.kv_capacity, dtype=torch.int64, device=device)
-        # Pinned staging off the CPU, two alternating (one may still be copying); the CPU
-        # writes its buffer in place.
-        self._staging = [
-            torch.zeros(len(self._inputs), dtype=torch.int64, pin_memory=device.type == "cuda")
-            for _ in range(0 if device.type == "cpu" else 2)
-        ]
-        self._next_staging = 0
-        self._host = [s.numpy() for s in self._staging] or [self._inputs.numpy()]
-        self._token_views: dict[int, torch.Tensor] = {}
-        self._graphs: dict[ExtendKey, tuple[Any, ForwardOutput]] = {}
-        self._table: SlotTable | None = None
-        self._mempool: Any = None
-        self.replays = 0  # forwards served by a graph (tests and benches read it)
-        self.captures = 0  # graphs captured so far
+        ) = self._split()
+        self.triton = backend.name == "triton"
         self._split_counts: dict[tuple[int, int], int] = {}  # (rows, q_width) -> splits
-        # Warm-up (capture_all): the keys made ready, and the steps since that came outside
-        # them (a capture, or on CUDA a compile, while serving).
-        self.warm_keys: set[ExtendKey] = set()
-        self.cold_runs = 0
-
-    @property
-    def pool(self) -> KVPool:
-        pool = self._pool()
-        if pool is None:
-            raise RuntimeError("the KV pool of this graph runner no longer exists")
-        return pool
 
     # -- the layout ----------------------------------------------------------------------
 
@@ -234,7 +196,7 @@ class ExtendGraphRunner:
         source = self._slot_source(hb.table)
         width = decode_kv_width(int(kv_lens.max())) if self.width_keyed else 0
         splits = self._splits(rows, q_width)
-        host = self._host[self._next_staging]
+        host = self._host_inputs()
         at, scratch = self._starts, self.pool.scratch_slot
         host[at[0] : at[0] + tokens] = 0  # padding tokens: token 0 at position 0, scratch
         host[at[0] : at[0] + n_tokens] = hb.token_ids
@@ -253,91 +215,28 @@ class ExtendGraphRunner:
             m = len(deferred)
             host[at[7] : at[7] + m] = deferred.index
             host[at[8] : at[8] + m] = deferred.dest
-        self._load(hb)
-        return ExtendStep(n_rows, (rows, tokens, q_width, width, splits, source, epilogue))
-
-    def _load(self, hb: HostBatch) -> None:
-        """The packed inputs in one copy (written in place on the CPU), the deferred tokens
-        resolved on the device after it, the slot table's queued writes or the step's own slot
-        list apart."""
-        if self._staging:
-            self._inputs.copy_(self._staging[self._next_staging], non_blocking=True)
-            self._next_staging ^= 1
-        if hb.deferred is not None and len(hb.deferred):
-            write_deferred(
-                self._tokens,
-                hb.deferred,
-                self._deferred_index,
-                self._deferred_dest,
-                self._token_views,
-            )
-        if hb.table is None:
-            (slots,) = to_device([hb.kv_slots], self._kv_slots.device)
-            self._kv_slots[: slots.numel()].copy_(slots)  # the step's own slot list
-        else:
-            writes = hb.table.take_writes()
-            if writes is not None:  # the table's new entries (O(new tokens))
-                flat, vals = to_device(list(writes), self._tokens.device)
-                hb.table.flat.index_copy_(0, flat, vals)
-
-    def _slot_source(self, table: SlotTable | None) -> int:
-        """0: the runner's own slot buffer; else the table's storage generation (graphs over
-        a table's old storage are dropped when it moves or another table comes)."""
-        if table is None:
-            return 0
-        if table is not self._table:
-            self._graphs = {k: v for k, v in self._graphs.items() if k[5] == 0}
-            self._table = table
-        return table.generation
+        self._load_step(hb)
+        return GraphStep(n_rows, (rows, tokens, q_width, width, splits, source, epilogue))
 
     def static_context(
         self, rows: int, tokens: int, q_width: int, width: int, splits: int, source: int
     ) -> ForwardContext:
         """A context whose tensors are views of the static buffers."""
-        if source == 0:
-            kv_slots = self._kv_slots
-        else:
-            assert self._table is not None and self._table.generation == source
-            kv_slots = self._table.flat
-        return ForwardContext(
-            num_requests=rows,
-            num_real=rows,
-            num_tokens=tokens,
+        return self._buffer_context(
+            rows,
+            tokens,
+            source,
             max_q_len=q_width,
             kv_width=width,
             is_decode=False,
-            token_ids=self._tokens[:tokens],
-            positions=self._positions[:tokens],
-            out_slots=self._out_slots[:tokens],
-            kv_slots=kv_slots,
-            q_offsets=self._q_offsets[: rows + 1],
-            kv_starts=self._kv_starts[:rows],
-            kv_lens=self._kv_lens[:rows],
-            last_token=self._last_token[:rows],
-            scratch_slot=self.pool.scratch_slot,
             q_width=q_width,
             splits=splits or None,
         )
 
-    def _body(self, *key: Any) -> ForwardOutput:
-        """What a graph captures: the forward over the static buffers, then the epilogue."""
-        epilogue: Epilogue | None = key[6]
+    def _forward(self, key: ExtendKey) -> ForwardOutput:
+        epilogue = key[6]
         out = self.model.run(self.static_context(*key[:6]), self.pool, self.backend)
         return epilogue.apply(out) if epilogue is not None else out
-
-    @torch.inference_mode()
-    def execute(self, step: ExtendStep) -> ForwardOutput:
-        """The step's device work: the graph's replay (or the static path run eagerly)."""
-        if self.warm_keys and step.key not in self.warm_keys:
-            self.cold_runs += 1
-        if self.use_graphs:
-            graph, out = self._graphs.get(step.key) or self._capture(step.key)
-            graph.replay()
-            self.replays += 1
-        else:
-            out = self._body(*step.key)
-        b = step.num_real
-        return out.each(lambda t: t[:b].clone())  # copies: the next replay overwrites them
 
     def shapes(
         self, max_rows: int | None = None, max_tokens: int | None = None
@@ -400,17 +299,7 @@ class ExtendGraphRunner:
             for w in (widths if self.width_keyed else (0,))
             for rows, tokens, q_width in shapes
         ]
-        for i, key in enumerate(keys):
-            if key not in self._graphs:
-                self._load_padding(*key[:3])
-                if self.use_graphs:
-                    self._capture(key)
-                else:
-                    self._body(*key)
-            self.warm_keys.add(key)
-            if progress is not None:
-                progress(i + 1, len(keys))
-        return len(self._graphs)
+        return self._warm(keys, progress, lambda key: self._load_padding(*key[:3]))
 
     def _load_padding(self, rows: int, tokens: int, q_width: int) -> None:
         """The buffers as a step of padding rows alone (q_width tokens each, as many rows as
@@ -419,7 +308,7 @@ class ExtendGraphRunner:
         lens = [q_width] * full + ([rest] if rest else [])
         q_lens = np.array(lens + [0] * (rows - len(lens)), np.int64)
         q_offsets = np.concatenate(([0], np.cumsum(q_lens)))
-        host, at = self._host[self._next_staging], self._starts
+        host, at = self._host_inputs(), self._starts
         host[at[0] : at[0] + tokens] = 0
         host[at[1] : at[1] + tokens] = 0
         host[at[2] : at[2] + tokens] = self.pool.scratch_slot
@@ -427,18 +316,4 @@ class ExtendGraphRunner:
         host[at[4] : at[4] + rows] = 0
         host[at[5] : at[5] + rows] = np.maximum(q_lens, 1)
         host[at[6] : at[6] + rows] = q_offsets[1:] - 1
-        if self._staging:
-            self._inputs.copy_(self._staging[self._next_staging], non_blocking=True)
-            self._next_staging ^= 1
-
-    def _capture(self, key: ExtendKey) -> tuple[Any, ForwardOutput]:
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
-        entry = self._graphs[key] = capture_graph(lambda: self._body(*key), self._mempool)
-        self.captures += 1
-        return entry
-
-    @torch.inference_mode()
-    def run(self, hb: HostBatch, epilogue: Epilogue | None = None) -> ForwardOutput:
-        """One multi-token forward through the static path (graph replay when use_graphs)."""
-        return self.execute(self.prepare(hb, epilogue))
+        self._copy_in()

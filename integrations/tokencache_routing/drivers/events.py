@@ -330,12 +330,12 @@ class EventLoop:
         scheduler, vLLM's async scheduling). Its requests continue in the new step with their
         drawn token (resolved on the device); one the router parks or that ends is dropped
         from it. On one device a due catch-up is launched right after (queued behind the new
-        step) and finished at once, so its requests join the next step (a request the router
-        parks misses the one step it was dropped from); the device then waits for the next
-        step's preparation, the one host time a catch-up does not hide. On two devices a
-        catch-up runs beside the small steps, its requests rejoining at its end. The host
-        waits for the device only to finish a step; the clock charges what the device waits
-        for the host (Stats.device_idle_s)."""
+        step) and finished at once, after the new step that ends before it, so its requests
+        join the next step (a request the router parks misses the one step it was dropped
+        from); the device then waits for the next step's preparation, the one host time a
+        catch-up does not hide. On two devices a catch-up runs beside the small steps, its
+        requests rejoining at its end. The host waits for the device only to finish a step;
+        the clock charges what the device waits for the host (Stats.device_idle_s)."""
         s, st = self.sched, self.sched.stats
         if self.eng.topology == "two-devices" and not s.inflight and self._large_due():
             catchup = self._launch_large_timed()
@@ -397,6 +397,9 @@ class EventLoop:
     def _finish_catchup(self, catchup: Launched) -> None:
         s, st = self.sched, self.sched.stats
         if self.eng.topology == "one-device":
+            # The step queued ahead of it ends first: its tokens are delivered at its end, not
+            # held until the catch-up's.
+            self.land_pending()
             if s.running or s.busy:
                 st.small_idle_s += catchup.device_s
             s.running += self._land_timed(catchup)
