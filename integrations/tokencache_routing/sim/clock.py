@@ -40,6 +40,7 @@ Profiles:
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -310,19 +311,23 @@ class GpuClock:
             default = bool(data.get("shared_prefix_attention", False))
             path = overhead_path(profile)
             if engine_overhead and path.exists():
-                self.with_overhead(EngineOverhead.load(path))
+                self.costs = self._costs_with(EngineOverhead.load(path))
         self._set_shared_prefix(default if shared_prefix is None else shared_prefix)
 
     def with_overhead(self, overhead: dict[str, EngineOverhead]) -> GpuClock:
-        """Adds each model's EngineOverhead (by model name) to its forwards, in place."""
-        costs = []
-        for cost in self.costs:
-            o = overhead.get(cost.model, EngineOverhead())
-            costs.append(
-                replace(cost.isolated(), decode_overhead=o.decode_s, multi_overhead=o.multi_s)
-            )
-        self.costs = (costs[0], costs[1])
-        return self
+        """A copy of this clock whose forwards cost each model's EngineOverhead (by model
+        name) on top of the isolated forward."""
+        clock = copy.copy(self)
+        clock.costs = self._costs_with(overhead)
+        return clock
+
+    def _costs_with(self, overhead: dict[str, EngineOverhead]) -> tuple[ForwardCost, ForwardCost]:
+        small, large = (
+            replace(cost.isolated(), decode_overhead=o.decode_s, multi_overhead=o.multi_s)
+            for cost in self.costs
+            for o in [overhead.get(cost.model, EngineOverhead())]
+        )
+        return small, large
 
     def _set_shared_prefix(self, on: bool) -> None:
         """The shared-prefix kernel's shape of each model, with a bf16 cache (the benchmarks':

@@ -26,10 +26,12 @@ the clock. Cold rows are priced but not fitted.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,10 +237,16 @@ class ClockSource:
         return f"forwards of {self.forwards}" if self.forwards else f"profile {self.profile}"
 
     def clock(self, small: str, large: str) -> GpuClock:
-        """A fresh clock of isolated forwards for the pair (ValueError: it has no fit)."""
-        if self.forwards is not None:
-            return GpuClock.fit(self.forwards, small, large)
-        return GpuClock(small, large, self.profile or DEFAULT_PROFILE, engine_overhead=False)
+        """The clock of isolated forwards for the pair, fitted once (ValueError: it has no
+        fit). Shared: derive others from it with with_overhead / graph_speed (copies)."""
+        return _isolated_clock(self, small, large)
+
+
+@functools.cache
+def _isolated_clock(source: ClockSource, small: str, large: str) -> GpuClock:
+    if source.forwards is not None:
+        return GpuClock.fit(source.forwards, small, large)
+    return GpuClock(small, large, source.profile or DEFAULT_PROFILE, engine_overhead=False)
 
 
 def forwards_file(results: Path) -> Path | None:
@@ -287,12 +295,12 @@ def check(source: ClockSource, rows: Sequence[Schedule]) -> list[Check | str]:
     out: list[Check | str] = []
     for s in rows:
         try:
-            iso, eng = source.clock(s.small, s.large), source.clock(s.small, s.large)
+            iso = source.clock(s.small, s.large)
         except ValueError as e:
             out.append(f"{s.source} {s.system} @ {s.context}: not priced: {e}")
             continue
         overhead, in_sample = overhead_for(iso, s, rows)
-        in_engine = price(eng.with_overhead(overhead), s) if overhead else None
+        in_engine = price(iso.with_overhead(overhead), s) if overhead else None
         out.append(Check(s, price(iso, s), in_engine, in_sample))
     return out
 
@@ -321,13 +329,11 @@ def break_even(clock: GpuClock, s: Schedule, large_alone_s: float, p: float) -> 
 def graph_speed(clock: GpuClock, large: str) -> GpuClock:
     """The clock with the large model's multi-token forwards at its roofline (weights and KV
     read once at the bandwidth, or the FLOPs at peak, times 1.5): a catch-up at CUDA-graph
-    speed. A PROJECTION: no such catch-up has been measured."""
-    from dataclasses import replace
-
-    roof = Roofline.of(large)
+    speed, in a copy. A PROJECTION: no such catch-up has been measured."""
+    fast = copy.copy(clock)
     small_cost, large_cost = clock.costs
-    clock.costs = (small_cost, replace(large_cost, multi=roof, multi_overhead=0.0))
-    return clock
+    fast.costs = (small_cost, replace(large_cost, multi=Roofline.of(large), multi_overhead=0.0))
+    return fast
 
 
 def _fmt(v: float | None, pct: bool = False) -> str:
@@ -382,15 +388,15 @@ def break_even_lines(source: ClockSource, rows: Sequence[Schedule]) -> list[str]
         if not alone:
             continue
         # a warm one where the run has it (a long row's compiles are a small share of it)
-        alone.sort(key=lambda r: not r.cold)
+        bound = ([r for r in alone if not r.cold] or alone)[-1]
         try:
-            iso, eng = source.clock(s.small, s.large), source.clock(s.small, s.large)
+            iso = source.clock(s.small, s.large)
         except ValueError:
             continue
-        eng.with_overhead(overhead_for(iso, s, rows)[0])
-        t = alone[-1].seconds
-        name = s.system + (" (large alone cold)" if alone[-1].cold else "")
-        fast = graph_speed(source.clock(s.small, s.large), s.large)
+        eng = iso.with_overhead(overhead_for(iso, s, rows)[0])
+        t = bound.seconds
+        name = s.system + (" (large alone cold)" if bound.cold else "")
+        fast = graph_speed(iso, s.large)
         vals = [break_even(c, s, t, s.p) for c in (eng, iso, fast)]
         out.append(
             f"| {s.source} | {name} | {s.context} | {s.p} | {t:.1f} | "
